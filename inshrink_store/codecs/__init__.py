@@ -1,0 +1,6 @@
+"""Codecs: `inshrink.nuq` (non-uniform quantization) and `inshrink.vdelta` (reorder-aware delta).
+
+Stateless, self-describing, deterministic; registered with numcodecs and zarr v3
+through entry points under the same namespaced id. This package never imports the
+storage layer.
+"""
