@@ -1,0 +1,22 @@
+"""inshrink-store: versioned, content-addressed checkpoint storage with dynamic quantization.
+
+``import inshrink_store as ins`` needs only numpy, zarr, numcodecs, fsspec and xxhash;
+torch lives in :mod:`inshrink_store.torch`, cupy, s3fs and gcsfs are optional.
+"""
+
+from inshrink_store.errors import (
+    ConflictError,
+    FormatError,
+    InshrinkError,
+    IntegrityError,
+    MissingDependencyError,
+    NotFoundError,
+)
+from inshrink_store.repository import Repository, SnapshotInfo, Transaction, init, open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConflictError", "FormatError", "InshrinkError", "IntegrityError", "MissingDependencyError",
+    "NotFoundError", "Repository", "SnapshotInfo", "Transaction", "init", "open", "__version__",
+]

@@ -1,0 +1,60 @@
+"""Branches and tags as write-once files; resolving ref expressions to snapshot ids.
+
+A branch is a folder of files ``refs/branches/<name>/<seq>`` each holding one
+snapshot id; the head is the highest ``seq``. Advancing a branch is creating the
+next ``seq`` exclusively, the one atomic step every fsspec backend offers, so two
+writers can never both win. Tags are single write-once files.
+"""
+
+from __future__ import annotations
+
+import re
+
+from inshrink_store.errors import FormatError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEQ_WIDTH = 12
+_EXPR = re.compile(r"^(?P<base>[^~^]+)(?P<ops>(?:~\d*|\^)*)$")
+
+
+def check_name(name: str, kind: str) -> str:
+    """Branch and tag names: letters, digits, '.', '_', '-'; no slashes, no '..'."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise FormatError(
+            f"Expected a {kind} name of letters, digits, '.', '_' or '-' (no '/' or '..'). "
+            f"Got {name!r} instead."
+        )
+    return name
+
+
+def branch_ref_path(branch: str, seq: int) -> str:
+    return f"refs/branches/{branch}/{seq:0{_SEQ_WIDTH}d}"
+
+
+def tag_path(tag: str) -> str:
+    return f"refs/tags/{tag}"
+
+
+def parse_branch_listing(paths: list[str]) -> dict[str, list[int]]:
+    """``refs/branches/<name>/<seq>`` paths -> branch name -> sorted seqs (ignores strays)."""
+    out: dict[str, list[int]] = {}
+    for path in paths:
+        parts = path.split("/")
+        if len(parts) == 4 and parts[3].isdigit():
+            out.setdefault(parts[2], []).append(int(parts[3]))
+    return {name: sorted(seqs) for name, seqs in sorted(out.items())}
+
+
+def parse_expression(expr: str) -> tuple[str, int]:
+    """``main~3`` -> ("main", 3); ``main^^`` -> ("main", 2); ``abc123`` -> ("abc123", 0)."""
+    if not isinstance(expr, str):
+        raise FormatError(f"Expected a ref such as 'main', 'main~3', a tag or a snapshot id. Got {expr!r}.")
+    match = _EXPR.match(expr.strip())
+    if not match:
+        raise FormatError(
+            f"Expected a ref such as 'main', 'main~3', a tag or a snapshot id. Got {expr!r} instead."
+        )
+    back = 0
+    for op in re.findall(r"~\d*|\^", match.group("ops")):
+        back += 1 if op in ("^", "~") else int(op[1:])
+    return match.group("base"), back

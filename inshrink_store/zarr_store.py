@@ -1,0 +1,310 @@
+"""A zarr v3 ``Store`` over one snapshot (read-only) or one pending transaction (writable).
+
+Zarr sees a flat key -> bytes mapping; underneath, every value is a content-addressed
+object (chunks) or inline text in a node tree (``zarr.json``). Because the store,
+unlike a Zarr codec, knows each chunk's key, it is where a quantized chunk is
+delta-coded against the chunk at the same key in the parent snapshot. Reading
+through it is plain Zarr: ``zarr.open_group(store=repo.snapshot_store("main"))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from collections.abc import AsyncIterator, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+
+from inshrink_store.cas import ObjectStore
+from inshrink_store.errors import IntegrityError, NotFoundError
+from inshrink_store.manifest import NodeTree, RootTree
+
+METADATA_KEY = "zarr.json"
+
+
+def tree_path(tree_id: str) -> str:
+    return f"trees/{tree_id[:2]}/{tree_id[2:]}"
+
+
+def load_root(objects: ObjectStore, root_id: str) -> RootTree:
+    return RootTree.from_bytes(_read_tree(objects, root_id), root_id)
+
+
+def load_node(objects: ObjectStore, tree_id: str) -> NodeTree:
+    return NodeTree.from_bytes(_read_tree(objects, tree_id), tree_id)
+
+
+def _read_tree(objects: ObjectStore, tree_id: str) -> bytes:
+    try:
+        return objects.storage.read(tree_path(tree_id))
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"Expected tree {tree_id} at {tree_path(tree_id)}. Got nothing there instead: "
+            "the store is missing data. Run `inshrink verify`."
+        ) from None
+
+
+class Entry:
+    """What a key holds: inline metadata text, or an object id."""
+
+    __slots__ = ("inline", "oid")
+
+    def __init__(self, inline: bytes | None = None, oid: str | None = None) -> None:
+        self.inline, self.oid = inline, oid
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Entry) and (self.inline, self.oid) == (other.inline, other.oid)
+
+
+def _node_of(key: str, nodes: set[str]) -> str:
+    """The deepest node path (a folder holding zarr.json, or '') that contains ``key``."""
+    folder = posixpath.dirname(key)
+    while folder:
+        if folder in nodes:
+            return folder
+        folder = posixpath.dirname(folder)
+    return ""
+
+
+class SnapshotChunks:
+    """Read-only key -> entry view of one committed root tree."""
+
+    writable = False
+
+    def __init__(self, objects: ObjectStore, root_id: str, snapshot_id: str | None = None) -> None:
+        self.objects, self.root_id, self.snapshot_id = objects, root_id, snapshot_id
+        self._entries: dict[str, Entry] | None = None
+        self.root = load_root(objects, root_id)
+
+    def node_trees(self) -> dict[str, tuple[str, NodeTree]]:
+        """Node path -> (tree id, tree), read in parallel (one request per node)."""
+        items = sorted(self.root.nodes.items())
+        with ThreadPoolExecutor(8) as pool:
+            trees = list(pool.map(lambda item: load_node(self.objects, item[1]), items))
+        return {path: (tid, tree) for (path, tid), tree in zip(items, trees, strict=True)}
+
+    @property
+    def entries(self) -> dict[str, Entry]:
+        if self._entries is None:
+            entries: dict[str, Entry] = {}
+            for path, (_tid, tree) in self.node_trees().items():
+                prefix = f"{path}/" if path else ""
+                if tree.metadata is not None:
+                    entries[prefix + METADATA_KEY] = Entry(inline=tree.metadata.encode())
+                for rel, oid in tree.chunks.items():
+                    entries[prefix + rel] = Entry(oid=oid)
+            self._entries = entries
+        return self._entries
+
+    def get(self, key: str) -> bytes | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        if entry.inline is not None:
+            return entry.inline
+        assert entry.oid is not None
+        try:
+            return self.objects.get(entry.oid)
+        except (IntegrityError, NotFoundError) as exc:
+            where = f" in snapshot {self.snapshot_id}" if self.snapshot_id else ""
+            raise type(exc)(f"Chunk {key!r}{where}: {exc}") from exc
+
+    def keys(self) -> list[str]:
+        return sorted(self.entries)
+
+
+class PendingChunks:
+    """A writable view that starts as a copy of its parent's entries (or empty)."""
+
+    writable = True
+
+    def __init__(
+        self, objects: ObjectStore, parent: SnapshotChunks | None = None, inherit: bool = True
+    ) -> None:
+        self.objects = objects
+        self.parent = parent
+        self.entries: dict[str, Entry] = dict(parent.entries) if parent and inherit else {}
+        self._parent_entries: Mapping[str, Entry] = parent.entries if parent else {}
+        self.new_stored_bytes = 0
+
+    def get(self, key: str) -> bytes | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        if entry.inline is not None:
+            return entry.inline
+        assert entry.oid is not None
+        return self.objects.get(entry.oid)
+
+    def keys(self) -> list[str]:
+        return sorted(self.entries)
+
+    def put(self, key: str, value: bytes) -> None:
+        if posixpath.basename(key) == METADATA_KEY and _is_text(value):
+            self.entries[key] = Entry(inline=bytes(value))
+            return
+        previous = self._parent_entries.get(key)
+        base = previous.oid if previous is not None else None
+        result = self.objects.put(value, base=base)
+        self.new_stored_bytes += result.stored_bytes
+        self.entries[key] = Entry(oid=result.oid)
+
+    def delete(self, key: str) -> None:
+        self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def build_trees(self) -> tuple[RootTree, dict[str, NodeTree]]:
+        """Group keys by node; returns the root tree and node trees keyed by tree id."""
+        nodes = {""} | {
+            posixpath.dirname(k) for k, e in self.entries.items()
+            if posixpath.basename(k) == METADATA_KEY
+        }
+        grouped: dict[str, dict[str, Entry]] = {n: {} for n in nodes}
+        for key, entry in self.entries.items():
+            node = _node_of(key, nodes) if posixpath.basename(key) != METADATA_KEY else posixpath.dirname(key)
+            rel = key[len(node) + 1 :] if node else key
+            grouped[node][rel] = entry
+        trees: dict[str, NodeTree] = {}
+        root_nodes: dict[str, str] = {}
+        for node, items in sorted(grouped.items()):
+            meta = items.pop(METADATA_KEY, None)
+            inline = meta.inline.decode() if meta is not None and meta.inline is not None else None
+            chunks = {rel: e.oid for rel, e in sorted(items.items()) if e.oid is not None}
+            if meta is not None and meta.oid is not None:
+                chunks[METADATA_KEY] = meta.oid
+            if node and inline is None and not chunks:
+                continue
+            tree = NodeTree(metadata=inline, chunks=chunks)
+            trees[tree.id] = tree
+            root_nodes[node] = tree.id
+        return RootTree(nodes=root_nodes), trees
+
+
+def _is_text(value: bytes) -> bool:
+    try:
+        bytes(value).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _slice(value: bytes, byte_range: ByteRequest | None) -> bytes:
+    if byte_range is None:
+        return value
+    if isinstance(byte_range, RangeByteRequest):
+        return value[byte_range.start : byte_range.end]
+    if isinstance(byte_range, OffsetByteRequest):
+        return value[byte_range.offset :]
+    if isinstance(byte_range, SuffixByteRequest):
+        return value[-byte_range.suffix :] if byte_range.suffix else b""
+    raise TypeError(f"Expected a zarr ByteRequest. Got {type(byte_range).__name__} instead.")
+
+
+class InshrinkStore(Store):
+    """zarr Store over a :class:`SnapshotChunks` (read-only) or :class:`PendingChunks` view."""
+
+    supports_writes = True
+    supports_deletes = True
+    supports_listing = True
+    supports_partial_writes = False  # type: ignore[assignment]
+    supports_consolidated_metadata = False
+
+    def __init__(self, view: SnapshotChunks | PendingChunks, *, read_only: bool = False) -> None:
+        super().__init__(read_only=read_only or not view.writable)
+        self._view = view
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, InshrinkStore)
+            and (other._view is self._view or _same_view(other._view, self._view))
+            and other.read_only == self.read_only
+        )
+
+    def __repr__(self) -> str:
+        kind = "snapshot" if isinstance(self._view, SnapshotChunks) else "transaction"
+        return f"InshrinkStore({kind} of {self._view.objects.storage.url!r})"
+
+    def with_read_only(self, read_only: bool = False) -> InshrinkStore:
+        return type(self)(self._view, read_only=read_only)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"view": self._view, "read_only": self.read_only, "open": False}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._view = state["view"]
+        self._read_only = state["read_only"]
+        self._is_open = False
+
+    async def clear(self) -> None:
+        self._check_writable()
+        assert isinstance(self._view, PendingChunks)
+        self._view.clear()
+
+    async def get(
+        self, key: str, prototype: BufferPrototype | None = None, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        prototype = prototype or default_buffer_prototype()
+        if not self._is_open:
+            await self._open()
+        value = await asyncio.to_thread(self._view.get, key)
+        if value is None:
+            return None
+        return prototype.buffer.from_bytes(_slice(value, byte_range))
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+    async def exists(self, key: str) -> bool:
+        return key in self._view.entries
+
+    async def set(self, key: str, value: Buffer, byte_range: tuple[int, int] | None = None) -> None:
+        self._check_writable()
+        await self._ensure_open()
+        if not isinstance(value, Buffer):
+            raise TypeError(f"Expected a zarr Buffer for {key!r}. Got {type(value).__name__} instead.")
+        assert isinstance(self._view, PendingChunks)
+        await asyncio.to_thread(self._view.put, key, value.to_bytes())
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        if key not in self._view.entries:
+            await self.set(key, value)
+
+    async def delete(self, key: str) -> None:
+        self._check_writable()
+        assert isinstance(self._view, PendingChunks)
+        self._view.delete(key)
+
+    async def list(self) -> AsyncIterator[str]:
+        for key in self._view.keys():
+            yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        for key in self._view.keys():
+            if key.startswith(prefix):
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        prefix = prefix.rstrip("/")
+        start = f"{prefix}/" if prefix else ""
+        seen: set[str] = set()
+        for key in self._view.keys():
+            if key.startswith(start):
+                child = key[len(start) :].split("/", 1)[0]
+                if child and child not in seen:
+                    seen.add(child)
+                    yield child
+
+
+def _same_view(a: object, b: object) -> bool:
+    if isinstance(a, SnapshotChunks) and isinstance(b, SnapshotChunks):
+        return a.root_id == b.root_id and a.objects.storage.url == b.objects.storage.url
+    if isinstance(a, PendingChunks) and isinstance(b, PendingChunks):
+        return a.objects.storage.url == b.objects.storage.url and a.entries == b.entries
+    return False
