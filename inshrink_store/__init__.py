@@ -12,7 +12,7 @@ from inshrink_store.errors import (
     MissingDependencyError,
     NotFoundError,
 )
-from inshrink_store.repository import Repository, SnapshotInfo, Transaction, init, open
+from inshrink_store.repository import Repository, SnapshotInfo, Transaction, init, open  # noqa: A004
 
 __version__ = "0.1.0"
 

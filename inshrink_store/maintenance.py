@@ -7,6 +7,7 @@ They work on any repository-like object (``storage``, ``objects``, ``resolve``,
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -333,10 +334,8 @@ def du(repo: Any, ref: str) -> list[UsageRow]:
                 seen.add(oid)
                 new_objects += 1
                 new_bytes += sizes.get(object_path(oid), 0)
-                try:
+                with contextlib.suppress(IntegrityError, NotFoundError):
                     deltas += repo.objects.header(oid).is_delta
-                except (IntegrityError, NotFoundError):
-                    pass
         logical = sum(a.logical_bytes for a in reader.arrays().values())
         cumulative += new_bytes
         cumulative_logical += logical

@@ -1,0 +1,297 @@
+"""The ``inshrink`` command line: verbs on a store URL, calling the public API only.
+
+Exit codes: 0 ok, 1 a problem found (bad object, unknown ref, failed import), 2 usage
+error. ``--json`` prints machine-readable output; long work shows a progress bar on
+stderr. Errors print one clear line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import inshrink_store as ins
+from inshrink_store.errors import InshrinkError
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Versioned, compressed checkpoint stores. Every command takes a store URL "
+    "(a path, file://, memory://, s3://, gs://).",
+)
+out = Console()
+err = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+@contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[str, int, int], None]]:
+    """A rich progress bar on stderr, fed by the library's (item, done, total) callbacks."""
+    with Progress(
+        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[item]}"), console=err, transient=True, disable=not err.is_terminal,
+    ) as bar:
+        task = bar.add_task(label, total=None, item="")
+
+        def update(item: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, item=str(item)[:40])
+
+        yield update
+
+
+def _size(n: float | int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isinf(x)) else f"{x:.2f}x"
+
+
+def _json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def _open(url: str) -> ins.Repository:
+    return ins.open(url)
+
+
+@app.command()
+def init(url: str) -> None:
+    """Create an empty store at URL."""
+    repo = ins.init(url)
+    out.print(f"initialised inshrink store at {repo.url}")
+
+
+@app.command("import")
+def import_(
+    file: Annotated[Path, typer.Argument(help=".safetensors, or .pt/.pth (state_dict or {model, optimizer})")],
+    url: str,
+    message: Annotated[str, typer.Option("--message", "-m")] = "",
+    step: Annotated[int | None, typer.Option("--step")] = None,
+    branch: Annotated[str, typer.Option("--branch")] = "main",
+    bins: Annotated[int | None, typer.Option("--bins", help="Quantize float tensors to this many levels.")] = None,
+    prune: Annotated[float, typer.Option("--prune", help="Fraction pruned to 0 (with --bins).")] = 0.0,
+    prune_metric: Annotated[str, typer.Option("--prune-metric")] = "magnitude",
+    protect: Annotated[float, typer.Option("--protect", help="Fraction kept in bfloat16 (with --bins).")] = 0.005,
+    create: Annotated[bool, typer.Option("--create/--no-create", help="Create the store if missing.")] = True,
+) -> None:
+    """Import a checkpoint file as a new version; prints the snapshot id."""
+    from inshrink_store.torch import import_file
+
+    repo = ins.open(url, create=create)
+    quantize = None
+    if bins is not None:
+        from inshrink_store.policy import QuantConfig
+
+        quantize = QuantConfig(bins=bins, prune=prune, prune_metric=prune_metric, protect=protect)
+    with progress_bar("import") as update:
+        info = import_file(repo, file, message=message or file.name, step=step, branch=branch,
+                           quantize=quantize, progress=update)
+    out.print(info.id)
+
+
+@app.command()
+def log(
+    url: str,
+    branch: Annotated[str, typer.Option("--branch", help="Branch or ref to start from.")] = "main",
+    limit: Annotated[int | None, typer.Option("--limit", "-n")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Versions of a branch, newest first: time, step, message, metrics."""
+    entries = _open(url).log(branch, limit=limit)
+    if as_json:
+        _json([e.to_dict() for e in entries])
+        return
+    table = Table("snapshot", "time", "step", "message", "metrics", "config")
+    for e in entries:
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in e.metrics.items())
+        config = e.metadata.get("quantization", {}).get("config", {}) if isinstance(e.metadata.get("quantization"), dict) else {}
+        cfg = " ".join(f"{k}={v}" for k, v in config.items() if k in ("bins", "prune", "prune_metric", "protect"))
+        table.add_row(e.id[:12], e.time[:19].replace("T", " "), str(e.step if e.step is not None else "-"),
+                      e.message, metrics, cfg)
+    out.print(table)
+
+
+@app.command("ls")
+def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOpt = False) -> None:
+    """Tensors of a version: shape, dtype, logical and stored bytes, how each is stored."""
+    repo = _open(url)
+    reader = repo.checkout(ref)
+    sizes = repo.storage.list("objects")
+    rows = []
+    for path, info in sorted(reader.arrays().items()):
+        stored = sum(sizes.get(f"objects/{o[:2]}/{o[2:]}", 0) for o in set(info.chunk_ids.values()))
+        attrs = info.attributes
+        rows.append({
+            "tensor": path, "shape": list(info.shape), "dtype": info.dtype, "logical_bytes": info.logical_bytes,
+            "stored_bytes": stored, "storage": info.storage, "levels": attrs.get("levels"),
+            "pruned_fraction": attrs.get("pruned_fraction"), "protected_fraction": attrs.get("protected_fraction"),
+        })
+    if as_json:
+        _json({"snapshot": reader.id, "tensors": rows})
+        return
+    table = Table("tensor", "shape", "dtype", "logical", "stored", "storage", "levels", "pruned", "protected")
+    for r in rows:
+        pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+        table.add_row(r["tensor"], "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),
+                      _size(r["stored_bytes"]), r["storage"], str(r["levels"] or "-"),
+                      pct(r["pruned_fraction"]), pct(r["protected_fraction"]))
+    out.print(table)
+
+
+@app.command()
+def show(url: str, ref: str, tensor: str, as_json: JsonOpt = False) -> None:
+    """Shape, dtype and summary statistics of one tensor (reads only that tensor)."""
+    reader = _open(url).checkout(ref)
+    path = reader.resolve_name(tensor)
+    info = reader.arrays()[path]
+    values = reader.read_float(path)
+    stats: dict[str, Any] = {"tensor": path, "snapshot": reader.id, "shape": list(info.shape),
+                             "dtype": info.dtype, "storage": info.storage, "numel": int(values.size)}
+    if values.size and values.dtype.kind in "fiub":
+        v = values.astype(np.float64)
+        finite = v[np.isfinite(v)]
+        stats.update({
+            "min": float(finite.min()) if finite.size else None,
+            "max": float(finite.max()) if finite.size else None,
+            "mean": float(finite.mean()) if finite.size else None,
+            "std": float(finite.std()) if finite.size else None,
+            "zeros": int(np.count_nonzero(v == 0)), "nan": int(np.isnan(v).sum()),
+            "inf": int(np.isinf(v).sum()),
+        })
+    stats.update({k: v for k, v in info.attributes.items() if k not in ("dtype", "storage")})
+    if as_json:
+        _json(stats)
+        return
+    for key, value in stats.items():
+        out.print(f"[bold]{key:>18}[/bold]  {value}")
+
+
+@app.command()
+def diff(
+    url: str, ref_a: str, ref_b: str,
+    values: Annotated[bool, typer.Option("--values", help="Also read both versions: max abs and relative L2 change.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Tensors added, removed, changed and unchanged between two versions."""
+    report = _open(url).diff(ref_a, ref_b, values=values)
+    if as_json:
+        _json(report.to_dict())
+        return
+    table = Table("tensor", "status", "chunks changed", "new bytes", "storage", "max |Δ|", "rel L2 Δ")
+    for t in report.tensors:
+        if t.status == "unchanged" and not values:
+            continue
+        fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
+        table.add_row(t.path, t.status, f"{t.chunks_changed}/{t.chunks_total}", _size(t.new_bytes),
+                      t.storage_b or "-", fmt(t.max_abs_change), fmt(t.rel_l2_change))
+    out.print(table)
+    counts = report.to_dict()["counts"]
+    out.print(" ".join(f"{k}: {v}" for k, v in counts.items()) + f"  new bytes: {_size(report.new_bytes)}")
+
+
+@app.command()
+def export(
+    url: str, ref: str, output: Annotated[Path, typer.Argument(metavar="OUT.safetensors")],
+    all_tensors: Annotated[bool, typer.Option("--all", help="Also export optimizer state (full paths).")] = False,
+) -> None:
+    """Write a version's model tensors to a .safetensors file (bit-exact for lossless versions)."""
+    from inshrink_store.torch import export_safetensors
+
+    reader = _open(url).checkout(ref)
+    with progress_bar("export") as update:
+        count = export_safetensors(reader, output, include_all=all_tensors, progress=update)
+    out.print(f"wrote {count} tensors to {output}")
+
+
+@app.command()
+def tag(url: str, name: str, ref: Annotated[str, typer.Argument()] = "main") -> None:
+    """Name a version (tags are write-once)."""
+    sid = _open(url).tag(name, ref)
+    out.print(f"{name} -> {sid}")
+
+
+@app.command()
+def verify(url: str, as_json: JsonOpt = False) -> None:
+    """Check every reachable object's checksum, id and delta chain; exit 1 on any problem."""
+    repo = _open(url)
+    with progress_bar("verify") as update:
+        report = repo.verify(progress=update)
+    if as_json:
+        _json(report.to_dict())
+    elif report.ok:
+        out.print(f"ok: {report.snapshots} versions, {report.trees} trees, {report.objects} objects "
+                  f"({report.deltas} deltas) verified")
+    else:
+        for p in report.problems:
+            users = ", ".join(f"{s[:12]}:{t}" for s, t in p.used_by[:10])
+            err.print(f"[red]BAD {p.kind} {p.id}[/red]: {p.error}" + (f"\n    used by {users}" if users else ""))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def gc(
+    url: str,
+    keep_last: Annotated[int | None, typer.Option("--keep-last", min=1, help="Keep only the last N versions per branch (and tags).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be deleted.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete what no kept version reaches. Do not run while another process commits."""
+    repo = _open(url)
+    with progress_bar("gc") as update:
+        report = repo.gc(keep_last=keep_last, dry_run=dry_run, progress=update)
+    if as_json:
+        _json(report.to_dict())
+        return
+    verb = "would delete" if dry_run else "deleted"
+    counts = ", ".join(f"{len(v)} {k}" for k, v in report.deleted.items())
+    out.print(f"kept {report.kept_snapshots} versions; {verb} {counts}; {verb.split()[-1]} {_size(report.freed_bytes)}")
+
+
+@app.command()
+def du(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOpt = False) -> None:
+    """Per version: logical bytes, new stored bytes, cumulative stored bytes, ratio."""
+    rows = _open(url).du(ref)
+    if as_json:
+        _json([r.to_dict() for r in rows])
+        return
+    table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio", "overall")
+    for r in rows:
+        table.add_row(r.snapshot[:12], str(r.step if r.step is not None else "-"), _size(r.logical_bytes),
+                      _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
+                      _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio))
+    out.print(table)
+
+
+def main() -> None:
+    """Entry point: library errors become one line on stderr and exit 1; usage errors exit 2."""
+    try:
+        app(standalone_mode=True)
+    except InshrinkError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(1)
+    except FileNotFoundError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
