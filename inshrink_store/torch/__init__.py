@@ -1,0 +1,25 @@
+"""The PyTorch boundary: the only package of inshrink-store that imports torch.
+
+``save_state`` / ``load_state`` move nested state dicts in and out of a repository
+bit-exact; ``Checkpointer`` runs dynamic quantization from a training loop.
+"""
+
+from inshrink_store.torch.tensors import (
+    TORCH_DTYPES,
+    array_to_tensor,
+    arrays_to_state,
+    export_safetensors,
+    import_file,
+    load_checkpoint_file,
+    load_state,
+    save_safetensors,
+    save_state,
+    state_to_arrays,
+    tensor_to_array,
+)
+
+__all__ = [
+    "TORCH_DTYPES", "array_to_tensor", "arrays_to_state", "export_safetensors", "import_file",
+    "load_checkpoint_file", "load_state", "save_safetensors", "save_state", "state_to_arrays",
+    "tensor_to_array",
+]
