@@ -29,6 +29,7 @@ import xxhash
 import zstandard
 
 from inshrink_store.codecs._payload import is_quantized_payload
+
 try:  # TEMPORARY while inshrink.vdelta is being written
     from inshrink_store.codecs.vdelta import VDelta, worth_delta
 except ImportError:  # pragma: no cover
