@@ -29,11 +29,7 @@ import xxhash
 import zstandard
 
 from inshrink_store.codecs._payload import is_quantized_payload
-
-try:  # TEMPORARY while inshrink.vdelta is being written
-    from inshrink_store.codecs.vdelta import VDelta, worth_delta
-except ImportError:  # pragma: no cover
-    VDelta = None  # type: ignore[assignment,misc]
+from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
 from inshrink_store.manifest import content_id
 from inshrink_store.storage import Storage
@@ -130,7 +126,7 @@ class ObjectStore:
         self.keyframe_interval = keyframe_interval
         self._cache = _LRU(cache_bytes)
         self._known: set[str] = set()
-        self._delta = VDelta() if VDelta is not None else None
+        self._delta = VDelta()
 
     def __getstate__(self) -> dict[str, object]:
         return {"storage": self.storage, "interval": self.keyframe_interval, "cache": self._cache.max_bytes}
@@ -164,8 +160,6 @@ class ObjectStore:
                 return whole
             base_payload = self.get(base)
             if not is_quantized_payload(base_payload):
-                return whole
-            if self._delta is None:
                 return whole
             delta = self._delta.encode(payload, base=base_payload)
         except (FormatError, NotFoundError, IntegrityError):
