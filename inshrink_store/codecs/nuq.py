@@ -126,6 +126,14 @@ class Quantizer:
                 ok &= np.isfinite(x)
         k = len(centres)
         ids = idx.astype(_payload.id_dtype(_payload.id_width_for(self.levels)), copy=False)
+        rescue = np.flatnonzero(~ok & np.isfinite(x))
+        if rescue.size:  # decide on the value a protected element would decode to (projection)
+            stored = self._unprotect_values(self._protect(carrier.ravel()[rescue]))
+            ridx = nearest_index(stored, centres)
+            with np.errstate(invalid="ignore"):
+                near = np.abs(stored - centres.take(ridx)) <= self.tolerance
+            ok[rescue[near]] = True
+            ids[rescue[near]] = ridx[near]
         ids[~ok] = k
         protected_carrier = carrier.ravel()[~ok]
         return _payload.pack(self.levels, ids, self.protected_dtype, self._protect(protected_carrier))
@@ -136,6 +144,18 @@ class Quantizer:
         if self.dtype == "bfloat16":
             return carrier.astype("<u2")
         return bf16.from_float32(self.values_of(carrier))
+
+    def _unprotect_values(self, stored: np.ndarray) -> np.ndarray:
+        """Float32 values that protected words decode to (in the element dtype's precision)."""
+        if self.protected_dtype == "bfloat16":
+            values = bf16.to_float32(stored)
+        else:
+            values = stored.astype(np.float32)
+        if self.dtype == "float16":
+            return values.astype(np.float16).astype(np.float32)
+        if self.dtype == "bfloat16":
+            return bf16.round_float32(values)
+        return values
 
     def decode(self, data: Any) -> np.ndarray:
         payload = _payload.unpack(data)
