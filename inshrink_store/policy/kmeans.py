@@ -17,6 +17,7 @@ import xxhash
 from inshrink_store.errors import FormatError
 
 SIGMA = 0.2
+RESTARTS = 3  # k-means++ draws per fit; each costs one Lloyd run over a few thousand buckets
 
 
 def bucket_weights(points: np.ndarray, counts: np.ndarray, sigma: float = SIGMA) -> np.ndarray:
@@ -90,7 +91,11 @@ def weighted_kmeans(points: np.ndarray, counts: np.ndarray, k: int, *, sigma: fl
         return np.unique(points)
     weights = bucket_weights(points, counts, sigma)
     if init is not None and len(init) == k:
-        start = np.asarray(init, dtype=np.float64)
-    else:
-        start = kmeans_pp(points, weights, k, np.random.default_rng(_seed(points, weights, k)))
-    return lloyd(points, weights, start, iters)
+        return lloyd(points, weights, np.asarray(init, dtype=np.float64), iters)
+    # a few deterministic starts (k-means++ draws and weighted quantiles); keep the lowest loss.
+    rng = np.random.default_rng(_seed(points, weights, k))
+    cdf = np.cumsum(weights) / weights.sum()
+    starts = [kmeans_pp(points, weights, k, rng) for _ in range(RESTARTS)]
+    starts.append(np.unique(points[np.minimum(np.searchsorted(cdf, (np.arange(k) + 0.5) / k), points.size - 1)]))
+    fits = [lloyd(points, weights, s, iters) for s in starts]
+    return min(fits, key=lambda c: (loss(points, weights, c), c.size))
