@@ -71,6 +71,13 @@ def parse_header(oid: str, data: bytes) -> ObjectHeader:
     _, kind, coder, depth, length, base, checksum = HEADER.unpack_from(data, 0)
     if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in (CODER_NONE, CODER_ZSTD):
         raise IntegrityError(f"Expected a known kind and coder in object {oid}. Got {kind}, {coder}.")
+    # the checksum covers the body only, so the header must be self-consistent to be trusted
+    if (kind == KIND_WHOLE and (depth != 0 or any(base))) or (kind == KIND_DELTA and depth == 0):
+        raise IntegrityError(
+            f"Expected object {oid}'s header to be consistent (a keyframe has depth 0 and no "
+            f"base, a delta depth >= 1). Got kind {kind}, depth {depth} instead: the object is "
+            "corrupt. Run `inshrink verify` to find what uses it."
+        )
     base_id = base.hex() if kind == KIND_DELTA else None
     return ObjectHeader(kind, coder, depth, length, base_id, checksum)
 
@@ -125,7 +132,6 @@ class ObjectStore:
         self.storage = storage
         self.keyframe_interval = keyframe_interval
         self._cache = _LRU(cache_bytes)
-        self._known: set[str] = set()
         self._delta = VDelta()
 
     def __getstate__(self) -> dict[str, object]:
@@ -139,12 +145,14 @@ class ObjectStore:
         """Store ``payload`` (whole, or as a delta against object ``base`` when clearly smaller)."""
         payload = bytes(payload)
         oid = content_id(payload)
-        if oid in self._known or self.storage.exists(object_path(oid)):
-            self._known.add(oid)
+        # No process-wide "already written" set: gc (here or in another process) may have
+        # deleted an object since, and skipping the write would commit a dangling id. An
+        # unchanged chunk (same id as the parent's at this key) lives in the parent, which
+        # every gc keeps as a branch head, so it needs no round trip.
+        if oid == base or self.storage.exists(object_path(oid)):
             return PutResult(oid, 0, -1)
         stored = self._encode(payload, base)
         self.storage.write(object_path(oid), stored)
-        self._known.add(oid)
         self._cache.put(oid, payload)
         return PutResult(oid, len(stored), stored[4])
 
@@ -201,22 +209,41 @@ class ObjectStore:
             if cached is not None:
                 base_payload = cached
                 break
-            stored = self.read_stored(current)
+            stored = self._read_link(oid, current, chain)
             header = parse_header(current, stored)
+            if chain and chain[-1][1].depth != header.depth + 1:
+                raise IntegrityError(
+                    f"Expected delta object {chain[-1][0]} (depth {chain[-1][1].depth}) to be one "
+                    f"deeper than its base {current} (depth {header.depth}). Got a mismatch "
+                    "instead: one of them is corrupt. Run `inshrink verify`."
+                )
             body = _checked_body(current, header, stored)
             chain.append((current, header, body))
             current = header.base
         for cid, header, body in reversed(chain):
             payload = _decode_body(cid, header, body, base_payload, self._delta)
-            if content_id(payload) != cid:
+            if len(payload) != header.logical_length or content_id(payload) != cid:
                 raise IntegrityError(
-                    f"Expected object {cid} to decode to bytes with that id. "
-                    f"Got {content_id(payload)} instead: the object or its base is corrupt."
+                    f"Expected object {cid} to decode to {header.logical_length} bytes with that "
+                    f"id. Got {len(payload)} bytes with id {content_id(payload)} instead: the "
+                    "object or its base is corrupt."
                 )
             self._cache.put(cid, payload)
             base_payload = payload
         assert base_payload is not None
         return base_payload
+
+    def _read_link(self, oid: str, current: str, chain: list[tuple[str, ObjectHeader, bytes]]) -> bytes:
+        """Stored bytes of ``current``; a missing *base* means the chain of ``oid`` is broken."""
+        try:
+            return self.read_stored(current)
+        except NotFoundError as exc:
+            if not chain:
+                raise
+            raise IntegrityError(
+                f"Expected the base {current} of delta object {chain[-1][0]} (chain of {oid}) to "
+                f"exist. Got nothing instead ({exc}): the delta chain is broken."
+            ) from None
 
     def chain(self, oid: str) -> list[str]:
         """Ids from ``oid`` down to its keyframe (for gc and verify); loops are errors."""

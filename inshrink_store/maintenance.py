@@ -120,25 +120,36 @@ def _snapshot_closure(repo: Any, keep_last: int | None) -> set[str]:
     """Snapshots kept: every tag, and per branch the head's history (its last N if asked)."""
     kept: set[str] = set(repo.tags().values())
     for head in repo.branches().values():
-        current, count = head, 0
-        while current is not None and (keep_last is None or count < keep_last):
-            kept.add(current)
-            count += 1
-            try:
-                current = repo.snapshot(current).parent
-            except NotFoundError:
-                break
+        _walk(repo, head, kept, keep_last)
     if keep_last is None:  # old ref files also name versions (e.g. before a restore)
         for branch, seqs in parse_branch_listing(list(repo.storage.list("refs/branches"))).items():
             for seq in seqs:
                 sid = repo.storage.read(branch_ref_path(branch, seq)).decode().strip()
-                while sid is not None and sid not in kept:
-                    kept.add(sid)
-                    try:
-                        sid = repo.snapshot(sid).parent
-                    except NotFoundError:
-                        break
+                _walk(repo, sid, kept, None)
     return kept
+
+
+def _walk(repo: Any, start: str, kept: set[str], limit: int | None) -> None:
+    """Add ``start`` and up to ``limit`` - 1 ancestors to ``kept``.
+
+    ``start`` is always added (a ref naming a missing or corrupt snapshot is a problem
+    verify must report); a missing *parent* is history an earlier ``gc(keep_last=...)``
+    removed, so the walk ends there instead of naming a snapshot that no longer exists.
+    """
+    current: str | None = start
+    count = 0
+    while current is not None and (limit is None or count < limit):
+        if limit is None and count and current in kept:
+            return  # the rest of this history is already kept
+        kept.add(current)
+        count += 1
+        try:
+            parent = repo.snapshot(current).parent
+        except InshrinkError:
+            return
+        if parent is not None and not repo.storage.exists(f"snapshots/{parent}"):
+            return
+        current = parent
 
 
 def reachable(repo: Any, keep_last: int | None = None, progress: Progress | None = None) -> Reachable:
@@ -247,7 +258,7 @@ def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
     """Delete unreachable snapshots, trees, objects and stale ref files.
 
     Run it when no writer is committing: objects of an in-flight commit are
-    unreachable until its ref is created.
+    unreachable until its ref is created, and its temp files look like a crash's.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"Expected keep_last >= 1. Got {keep_last} instead.")
@@ -273,6 +284,9 @@ def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
             path = branch_ref_path(branch, seq)
             if storage.read(path).decode().strip() not in live.snapshots:
                 deleted["refs"].append(path)
+    temp = _temp_leftovers(storage)
+    deleted["temp"] = sorted(temp)
+    listing = {**listing, **temp}
     paths = [p for group in deleted.values() for p in group]
     freed = sum(listing.get(p, 0) for p in paths)
     if not dry_run:
@@ -281,6 +295,19 @@ def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
             if progress:
                 progress(path, i + 1, len(paths))
     return GcReport(dry_run, len(live.snapshots), deleted, freed)
+
+
+def _temp_leftovers(storage: Any) -> dict[str, int]:
+    """Temp files of local atomic writes that a crash interrupted (``list`` hides them)."""
+    if not storage.is_local:
+        return {}
+    found = storage.fs.find(storage.root, detail=True)
+    out = {}
+    for name, info in found.items():
+        rel = storage._relative(name)
+        if rel is not None and ".tmp-" in rel:
+            out[rel] = int(info.get("size") or 0)
+    return out
 
 
 # -- du -------------------------------------------------------------------------------

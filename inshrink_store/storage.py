@@ -9,6 +9,7 @@ every fsspec backend give the same guarantees. Missing files raise the built-in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import uuid
@@ -120,10 +121,8 @@ class Storage:
         return name[len(root) + 1 :]
 
     def delete(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._full(path))
-        except FileNotFoundError:
-            pass
 
     def require_exists(self, marker: str) -> None:
         if not self.exists(marker):

@@ -208,7 +208,10 @@ def _slice(value: bytes, byte_range: ByteRequest | None) -> bytes:
         return value[byte_range.offset :]
     if isinstance(byte_range, SuffixByteRequest):
         return value[-byte_range.suffix :] if byte_range.suffix else b""
-    raise TypeError(f"Expected a zarr ByteRequest. Got {type(byte_range).__name__} instead.")
+    raise TypeError(  # zarr's suite matches "Unexpected byte_range, got"
+        f"Unexpected byte_range, got {byte_range!r}. Expected a zarr ByteRequest (RangeByteRequest, "
+        f"OffsetByteRequest or SuffixByteRequest). Got {type(byte_range).__name__} instead."
+    )
 
 
 class InshrinkStore(Store):

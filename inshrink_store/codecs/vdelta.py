@@ -1,13 +1,20 @@
 """``inshrink.vdelta``: reorder-aware delta of level ids against the previous version's payload.
 
-``D = (prev - curr) mod B`` with B the larger level count of the two payloads (the
-protected id counts as a level), so unchanged elements give 0. The deltas are then
-regrouped by each element's *previous* level id (a stable counting sort the decoder
-repeats from the base it already has, so the permutation costs nothing to store):
-stable bins become long zero runs that migrations in busy bins no longer break.
-The regrouped stream is entropy-coded with zstd; the current protected values follow
-whole. The header carries a hash of the base, so decoding against the wrong base is
-an error, never silently wrong ids. Spec: ``codecs/inshrink.vdelta/README.md``.
+Why: between two checkpoints most quantized weights keep their level id, so
+``D = (prev - curr) mod B`` is mostly 0 and entropy-codes to almost nothing. B is the
+larger level count of the two payloads; ids are compared as plain integers in
+``0..B-1`` whatever they mean (the protected id is ``B - 1`` of *each* payload), which
+is exact and invertible: ``curr = (prev - D) mod B``.
+
+The deltas are regrouped by each element's *previous* id (a stable sort the decoder
+repeats from the base it already holds, so the permutation costs nothing to store):
+stable bins become long zero runs that migrations in busy bins no longer break. The
+regrouped stream is one zstd frame (group lengths are implied by the base; measured
+against per-group frames and the paper's RLE + Huffman in
+``benchmarks/bench_entropy_coders.py``); the current protected values follow whole.
+The header carries the base's level count and xxh3-64, so decoding against the wrong
+base is an :class:`IntegrityError`, never silently wrong ids.
+Byte layout and change log: ``codecs/inshrink.vdelta/README.md``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import numpy as np
 import xxhash
 import zstandard
 from numcodecs.abc import Codec
-from numcodecs.compat import ensure_bytes
+from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
 
 from inshrink_store.codecs import _payload
@@ -28,20 +35,36 @@ from inshrink_store.errors import FormatError, IntegrityError
 CODEC_ID = "inshrink.vdelta"
 MAGIC = b"IVD\x01"
 VERSION = 1
-HEADER = struct.Struct("<4sBBBBQIIQQQ")  # magic ver flags coder pcode n Bcur Bbase basehash nprot zlen
-HEADER_SIZE = HEADER.size
+# magic, version, flags, coder, protected dtype, n, B_cur, B_base, xxh3(base), P, Z
+HEADER = struct.Struct("<4sBBBBQIIQQQ")
+HEADER_SIZE = HEADER.size  # 48
 FLAG_REGROUP = 1
-CODER_NONE, CODER_ZSTD = 0, 1
-KEEP_DELTA_BELOW = 0.8  # a delta must be at most 80 % of the whole compressed payload
+KNOWN_FLAGS = FLAG_REGROUP
+CODERS = {"zstd": 1}
+KEEP_DELTA_BELOW = 0.8  # a delta must be under 80 % of the zstd'd whole payload
 
 
 def worth_delta(delta_len: int, whole_len: int) -> bool:
-    """The store's "clearly smaller" rule for writing a delta instead of a keyframe."""
+    """The store's "clearly smaller" rule: keep a delta only below 80 % of the keyframe."""
     return delta_len < KEEP_DELTA_BELOW * whole_len
 
 
-def _delta_dtype(levels: int) -> np.dtype:
+def delta_dtype(levels: int) -> np.dtype:
+    """Deltas lie in ``0..B-1``: one byte while B <= 256, two above."""
     return np.dtype("<u1") if levels <= 256 else np.dtype("<u2")
+
+
+def mod_sub(a: np.ndarray, b: np.ndarray, levels: int) -> np.ndarray:
+    """``(a - b) mod levels`` for values already in ``0..levels-1``, without widening.
+
+    The subtraction wraps modulo 2**bits; adding ``levels`` (mod 2**bits) where
+    ``a < b`` turns that into the residue modulo ``levels``.
+    """
+    dt = delta_dtype(levels)
+    a, b = a.astype(dt, copy=False), b.astype(dt, copy=False)
+    out = np.subtract(a, b)
+    np.add(out, dt.type(levels % (1 << (8 * dt.itemsize))), out=out, where=a < b)
+    return out
 
 
 def group_order(prev_ids: np.ndarray) -> np.ndarray:
@@ -49,84 +72,164 @@ def group_order(prev_ids: np.ndarray) -> np.ndarray:
     return np.argsort(prev_ids, kind="stable")
 
 
+def regroup(deltas: np.ndarray, prev_ids: np.ndarray) -> np.ndarray:
+    """Permute deltas into previous-id order; an all-zero stream needs no permutation."""
+    return deltas[group_order(prev_ids)] if deltas.any() else deltas
+
+
+def ungroup(stream: np.ndarray, prev_ids: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`regroup`, computed from the same base ids."""
+    if not stream.any():
+        return stream
+    out = np.empty_like(stream)
+    out[group_order(prev_ids)] = stream
+    return out
+
+
+def delta_stream(prev_ids: np.ndarray, cur_ids: np.ndarray, levels: int, grouped: bool) -> np.ndarray:
+    """The symbols the entropy coder sees (everything of encode except the coder)."""
+    d = mod_sub(prev_ids, cur_ids, levels)
+    return regroup(d, prev_ids) if grouped else d
+
+
+def apply_stream(prev_ids: np.ndarray, stream: np.ndarray, levels: int, grouped: bool) -> np.ndarray:
+    """Inverse of :func:`delta_stream`: the current ids, in the delta dtype of ``levels``."""
+    d = ungroup(stream, prev_ids) if grouped else stream
+    return mod_sub(prev_ids, d, levels)
+
+
+def _bytes_view(buf: Any) -> np.ndarray:
+    return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+
+
+def _require_base(base: Any, action: str) -> np.ndarray:
+    if base is None:
+        raise FormatError(
+            f"Expected the base payload (base=...) to {action}. Got None instead; pass the "
+            "payload stored at the same chunk key in the parent version."
+        )
+    return _bytes_view(base)
+
+
 class VDelta(Codec):
     """numcodecs codec whose ``encode``/``decode`` take the base payload as ``base=``."""
 
     codec_id = CODEC_ID
 
-    def __init__(self, level: int = 3, regroup: bool = True) -> None:
+    def __init__(self, level: int = 3, regroup: bool = True, coder: str = "zstd") -> None:
+        if coder not in CODERS:
+            raise FormatError(f"Expected coder one of {sorted(CODERS)}. Got {coder!r} instead.")
+        if not 1 <= int(level) <= 22:
+            raise FormatError(f"Expected a zstd level in 1..22. Got {level!r} instead.")
         self.level = int(level)
         self.regroup = bool(regroup)
+        self.coder = coder
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": CODEC_ID, "level": self.level, "regroup": self.regroup}
+        return {"id": CODEC_ID, "coder": self.coder, "level": self.level, "regroup": self.regroup}
 
     def __repr__(self) -> str:
-        return f"VDelta(level={self.level}, regroup={self.regroup})"
+        return f"VDelta(level={self.level}, regroup={self.regroup}, coder={self.coder!r})"
 
     def encode(self, buf: Any, base: Any = None) -> bytes:
-        if base is None:
-            raise FormatError("Expected the base payload (base=...) to delta-encode against. Got None.")
-        cur, prev = _payload.unpack(buf), _payload.unpack(base)
+        """Delta-encode payload ``buf`` against payload ``base`` (equal element counts)."""
+        base_view = _require_base(base, "delta-encode against")
+        cur, prev = _payload.unpack(_bytes_view(buf)), _payload.unpack(base_view)
         if cur.count != prev.count:
             raise FormatError(
                 f"Expected the current and base payloads to have equal element counts. "
                 f"Got {cur.count} and {prev.count} instead (shape changed: store a keyframe)."
             )
         levels = max(cur.levels, prev.levels)
-        d = (prev.ids.astype(np.int32) - cur.ids.astype(np.int32)) % levels
-        d = d.astype(_delta_dtype(levels))
-        if self.regroup and d.size:
-            d = d[group_order(prev.ids)]
-        body = zstandard.ZstdCompressor(level=self.level).compress(d.tobytes())
-        base_bytes = ensure_bytes(base) if not isinstance(base, bytes) else base
+        stream = delta_stream(prev.ids, cur.ids, levels, self.regroup)
+        body = zstandard.ZstdCompressor(level=self.level).compress(stream)
         header = HEADER.pack(
-            MAGIC, VERSION, FLAG_REGROUP if self.regroup else 0, CODER_ZSTD,
+            MAGIC, VERSION, FLAG_REGROUP if self.regroup else 0, CODERS[self.coder],
             _payload.PROTECTED_CODES[cur.protected_dtype], cur.count, cur.levels, prev.levels,
-            xxhash.xxh3_64_intdigest(base_bytes), int(cur.protected.size), len(body),
+            xxhash.xxh3_64_intdigest(base_view), int(cur.protected.size), len(body),
         )
-        return header + body + cur.protected.tobytes()
+        return b"".join((header, body, cur.protected.tobytes()))
 
-    def decode(self, buf: Any, base: Any = None, out: Any = None) -> bytes:
-        if base is None:
-            raise FormatError("Expected the base payload (base=...) to decode the delta against. Got None.")
-        data = ensure_bytes(buf)
-        base_bytes = ensure_bytes(base)
-        if len(data) < HEADER_SIZE or data[:4] != MAGIC:
-            raise FormatError(f"Expected a vdelta stream starting with {MAGIC!r}. Got {data[:4]!r} "
-                              f"({len(data)} bytes) instead.")
-        (_, version, flags, coder, pcode, n, b_cur, b_base, base_hash, n_prot, zlen) = HEADER.unpack_from(data)
-        if version != VERSION or coder != CODER_ZSTD or pcode not in _payload.PROTECTED_DTYPES:
-            raise FormatError(f"Expected vdelta version {VERSION} with zstd. Got version {version}, coder {coder}.")
-        if xxhash.xxh3_64_intdigest(base_bytes) != base_hash:
-            raise IntegrityError("Expected the base payload this delta was made against. Got a different base.")
-        prev = _payload.unpack(base_bytes)
-        if prev.count != n or prev.levels != b_base:
-            raise FormatError(f"Expected a base of {n} ids and {b_base} levels. Got {prev.count} and {prev.levels}.")
-        pname = _payload.PROTECTED_DTYPES[pcode]
-        psize = n_prot * _payload.PROTECTED_ITEMSIZE[pname]
-        if len(data) != HEADER_SIZE + zlen + psize:
-            raise FormatError(f"Expected {HEADER_SIZE + zlen + psize} vdelta bytes. Got {len(data)} (truncated?).")
-        levels = max(b_cur, b_base)
-        ddt = _delta_dtype(levels)
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(data[HEADER_SIZE:HEADER_SIZE + zlen],
-                                                          max_output_size=n * ddt.itemsize)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"Expected a valid zstd delta stream. Got: {exc}") from exc
-        if len(raw) != n * ddt.itemsize:
-            raise FormatError(f"Expected {n} deltas. Got {len(raw) // ddt.itemsize} instead.")
-        d = np.frombuffer(raw, dtype=ddt)
-        if flags & FLAG_REGROUP and n:
-            ungrouped = np.empty_like(d)
-            ungrouped[group_order(prev.ids)] = d
-            d = ungrouped
-        ids = (prev.ids.astype(np.int32) - d.astype(np.int32)) % levels
-        if n and int(ids.max()) >= b_cur:
-            raise FormatError(f"Expected ids below {b_cur} after applying the delta. Got {int(ids.max())}.")
-        pdt = "<u2" if pname == "bfloat16" else "<f4"
-        prot = np.frombuffer(data, dtype=pdt, count=n_prot, offset=HEADER_SIZE + zlen)
-        return _payload.pack(b_cur, ids, pname, prot)
+    def decode(self, buf: Any, base: Any = None, out: Any = None) -> Any:
+        """Rebuild the exact current payload from the delta ``buf`` and payload ``base``."""
+        payload = _decode(_bytes_view(buf), _require_base(base, "decode the delta against"))
+        if out is None:
+            return payload
+        dest = _bytes_view(out)
+        if dest.size != len(payload):
+            raise FormatError(
+                f"Expected an out buffer of {len(payload)} bytes. Got {dest.size} instead."
+            )
+        dest[:] = np.frombuffer(payload, np.uint8)
+        return out
+
+
+def _parse_header(data: np.ndarray) -> tuple[int, ...]:
+    if data.size < HEADER_SIZE or bytes(data[:4]) != MAGIC:
+        raise FormatError(
+            f"Expected a vdelta stream starting with {MAGIC!r}. Got {bytes(data[:4])!r} "
+            f"({data.size} bytes) instead (not a delta, or truncated)."
+        )
+    (_, version, flags, coder, pcode, n, b_cur, b_base, base_hash, n_prot, zlen) = HEADER.unpack_from(data)
+    if version != VERSION:
+        raise FormatError(
+            f"Expected vdelta format version {VERSION}. Got {version} instead; upgrade inshrink-store."
+        )
+    if flags & ~KNOWN_FLAGS or coder not in CODERS.values() or pcode not in _payload.PROTECTED_DTYPES:
+        raise FormatError(
+            f"Expected flags within {KNOWN_FLAGS}, coder in {sorted(CODERS.values())} and protected "
+            f"dtype code 0 or 1. Got flags {flags}, coder {coder}, dtype code {pcode} instead "
+            "(corrupt header, or written by a newer inshrink-store)."
+        )
+    _payload.id_width_for(b_cur)  # 1..65535, else FormatError
+    return flags, pcode, n, b_cur, b_base, base_hash, n_prot, zlen
+
+
+def _decompress(body: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
+    size = n * dtype.itemsize
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"Expected a valid zstd frame of deltas. Got a zstd error instead: {exc}") from exc
+    if len(raw) != size:
+        raise FormatError(f"Expected {size} bytes of deltas. Got {len(raw)} instead.")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _decode(data: np.ndarray, base: np.ndarray) -> bytes:
+    flags, pcode, n, b_cur, b_base, base_hash, n_prot, zlen = _parse_header(data)
+    if xxhash.xxh3_64_intdigest(base) != base_hash:
+        raise IntegrityError(
+            "Expected the base payload this delta was made against (xxh3-64 "
+            f"{base_hash:016x}). Got a different base ({xxhash.xxh3_64_intdigest(base):016x}) "
+            "instead; resolve the delta chain from the object the header names."
+        )
+    prev = _payload.unpack(base)
+    if prev.count != n or prev.levels != b_base:
+        raise FormatError(
+            f"Expected a base of {n} ids and {b_base} levels. Got {prev.count} and {prev.levels} instead."
+        )
+    pname = _payload.PROTECTED_DTYPES[pcode]
+    psize = n_prot * _payload.PROTECTED_ITEMSIZE[pname]
+    if data.size != HEADER_SIZE + zlen + psize:
+        raise FormatError(
+            f"Expected {HEADER_SIZE + zlen + psize} vdelta bytes. Got {data.size} instead "
+            "(truncated or trailing bytes)."
+        )
+    levels = max(b_cur, b_base)
+    stream = _decompress(data[HEADER_SIZE:HEADER_SIZE + zlen], n, delta_dtype(levels))
+    if n and int(stream.max()) >= levels:
+        raise FormatError(f"Expected deltas below B={levels}. Got {int(stream.max())} instead.")
+    ids = apply_stream(prev.ids, stream, levels, bool(flags & FLAG_REGROUP))
+    if n and int(ids.max()) >= b_cur:
+        raise FormatError(f"Expected ids below B={b_cur} after the delta. Got {int(ids.max())} instead.")
+    if n_prot != int(np.count_nonzero(ids == b_cur - 1)):
+        raise FormatError(
+            f"Expected {n_prot} protected ids (id {b_cur - 1}) as the header says. "
+            f"Got {int(np.count_nonzero(ids == b_cur - 1))} instead."
+        )
+    prot = data[HEADER_SIZE + zlen:].view("<u2" if pname == "bfloat16" else "<f4")
+    return _payload.pack(b_cur, ids, pname, prot)
 
 
 register_codec(VDelta)

@@ -1,7 +1,14 @@
-"""QuantConfig: one point of the configuration cube (bins x prune x metric x protect)."""
+"""QuantConfig: one point of the configuration cube (bins x prune x metric x protect).
+
+A frozen, JSON-native value: it is stored in each version's metadata (so a resumed
+run or an import continues with the same settings) and it is the key the search
+caches candidates by. Validation happens at construction, so a bad value fails where
+it was written, not deep inside a save.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -13,17 +20,30 @@ EMBEDDING_BINS = (16, 32)
 PRUNE = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 PROTECT = (0.0005, 0.005, 0.01)
 METRICS = ("magnitude", "sensitivity")
+PROTECTED_DTYPES = ("bfloat16", "float32")
+MAX_LEVELS = 65534  # + the protected id = 65535 level ids, the most a uint16 payload holds
+_LEGACY = {"reuse_tolerance": "codebook_reuse_tolerance"}  # keys written by 0.1 pre-releases
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_fraction(v: Any, hi: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= hi
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """How aggressively to quantize the model tensors of one checkpoint.
 
-    ``bins`` codebook centres per tensor (embeddings use ``embedding_bins``), the lowest
-    ``prune`` fraction by ``prune_metric`` set to 0, the top ``protect`` fraction by
-    magnitude and by sensitivity kept in ``protected_dtype``. Tensors that are 1-D or
-    smaller than ``min_numel`` stay lossless. A previous codebook is reused while its
-    error is within ``reuse_tolerance`` x a fresh fit's (stable ids -> small deltas).
+    ``bins`` codebook centres per tensor (embeddings use ``embedding_bins``; with
+    pruning on, 0.0 is one of them); the lowest ``prune`` fraction by ``prune_metric``
+    set to 0 with one threshold pooled per layer type; the top ``protect`` fraction by
+    magnitude and (when gradients are known) by sensitivity kept in ``protected_dtype``.
+    Tensors that are 1-D or smaller than ``min_numel`` stay lossless. A tensor's
+    previous codebook is reused unchanged while its error is within
+    ``codebook_reuse_tolerance`` x a fresh fit's (stable ids -> small deltas).
     """
 
     bins: int = 16
@@ -33,33 +53,53 @@ class QuantConfig:
     protected_dtype: str = "bfloat16"
     embedding_bins: int = 16
     min_numel: int = 4096
-    reuse_tolerance: float = 1.10
+    codebook_reuse_tolerance: float = 1.10
 
     def __post_init__(self) -> None:
+        tol = self.codebook_reuse_tolerance
         checks = [
-            (isinstance(self.bins, int) and 2 <= self.bins <= 65534, "bins in 2..65534", self.bins),
-            (isinstance(self.embedding_bins, int) and 2 <= self.embedding_bins <= 65534,
-             "embedding_bins in 2..65534", self.embedding_bins),
-            (0.0 <= self.prune < 1.0, "prune in [0, 1)", self.prune),
-            (0.0 <= self.protect < 1.0, "protect in [0, 1)", self.protect),
-            (self.prune_metric in METRICS, f"prune_metric in {METRICS}", self.prune_metric),
-            (self.protected_dtype in ("bfloat16", "float32"), "protected_dtype bfloat16 or float32",
+            (_is_int(self.bins) and 2 <= self.bins <= MAX_LEVELS, f"bins an int in 2..{MAX_LEVELS} "
+             f"(usually one of {BINS})", self.bins),
+            (_is_int(self.embedding_bins) and 2 <= self.embedding_bins <= MAX_LEVELS,
+             f"embedding_bins an int in 2..{MAX_LEVELS} (usually one of {EMBEDDING_BINS})",
+             self.embedding_bins),
+            (_is_fraction(self.prune, 0.5), "prune a fraction in [0, 0.5]", self.prune),
+            (_is_fraction(self.protect, 0.5), "protect a fraction in [0, 0.5]", self.protect),
+            (self.prune_metric in METRICS, f"prune_metric one of {METRICS}", self.prune_metric),
+            (self.protected_dtype in PROTECTED_DTYPES, f"protected_dtype one of {PROTECTED_DTYPES}",
              self.protected_dtype),
-            (self.min_numel >= 1, "min_numel >= 1", self.min_numel),
-            (self.reuse_tolerance >= 1.0, "reuse_tolerance >= 1", self.reuse_tolerance),
+            (_is_int(self.min_numel) and self.min_numel >= 1, "min_numel an int >= 1", self.min_numel),
+            (isinstance(tol, (int, float)) and not isinstance(tol, bool) and math.isfinite(tol)
+             and tol >= 1.0, "codebook_reuse_tolerance a finite number >= 1 (1.10 by default)", tol),
         ]
         for ok, what, got in checks:
             if not ok:
                 raise FormatError(f"Expected {what} in QuantConfig. Got {got!r} instead.")
 
+    @property
+    def reuse_tolerance(self) -> float:
+        """Alias of ``codebook_reuse_tolerance`` (the 0.1 pre-release name)."""
+        return self.codebook_reuse_tolerance
+
+    def levels_for(self, layer_type: str) -> int:
+        """Codebook size for a layer type: ``embedding_bins`` for embeddings, else ``bins``."""
+        return self.embedding_bins if layer_type == "embedding" else self.bins
+
     def to_dict(self) -> dict[str, Any]:
+        """JSON-native dict; ``from_dict(json.loads(json.dumps(d)))`` gives an equal config."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantConfig:
+        if not isinstance(data, Mapping):
+            raise FormatError(f"Expected a QuantConfig dict. Got {type(data).__name__} instead.")
+        data = {_LEGACY.get(k, k): v for k, v in data.items()}
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise FormatError(f"Expected QuantConfig fields. Got unknown {sorted(unknown)} instead.")
+            raise FormatError(
+                f"Expected only QuantConfig fields {sorted(cls.__dataclass_fields__)}. "
+                f"Got unknown {sorted(unknown)} instead; remove them."
+            )
         return cls(**data)
 
     def plan(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str],

@@ -4,26 +4,35 @@ Clustering a few thousand bucket representatives instead of millions of weights 
 what ALGORITHM.md §2 calls approximate k-means. Each bucket weighs
 ``W = sigma * frequency + (1 - sigma) * |centre|`` (each normalised to sum 1), so large
 weights keep accurate centres even when they are rare. Initialisation is weighted
-k-means++ (distance^2 x W) seeded from the data itself, so the same weights always
-give the same codebook (the store's dedup relies on it); Lloyd iterations follow.
-Centres come back sorted, so level ids are ordered and stable across checkpoints.
+k-means++ (distance^2 x W) seeded from a hash of the input when no seed is given, so
+the same weights always give the same codebook (the store's dedup and small deltas
+rely on it); weighted Lloyd iterations follow, vectorised for 1-D data (points sorted
+once, assignment by ``searchsorted`` on the midpoints between centres). Centres come
+back sorted, so level ids are ordered and stable across checkpoints.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import xxhash
 
+from inshrink_store.codecs import bf16
 from inshrink_store.errors import FormatError
+from inshrink_store.policy.sketch import LogSketch
 
 SIGMA = 0.2
-RESTARTS = 3  # k-means++ draws per fit; each costs one Lloyd run over a few thousand buckets
+ITERS = 30  # Lloyd on a few thousand sorted 1-D points converges well before this
+RESTARTS = 3  # k-means++ draws per cold fit (plus one weighted-quantile start); lowest loss wins
 
 
 def bucket_weights(points: np.ndarray, counts: np.ndarray, sigma: float = SIGMA) -> np.ndarray:
+    """``W = sigma * counts/sum(counts) + (1 - sigma) * |points|/sum(|points|)``."""
     freq = counts / counts.sum()
     mag = np.abs(points)
-    mag = mag / mag.sum() if mag.sum() > 0 else np.full_like(mag, 1.0 / mag.size)
+    total = mag.sum()
+    mag = mag / total if total > 0 else np.full_like(mag, 1.0 / mag.size)
     return sigma * freq + (1.0 - sigma) * mag
 
 
@@ -57,18 +66,22 @@ def kmeans_pp(points: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Ge
             break
         nxt = points[rng.choice(points.size, p=score / total)]
         centres.append(nxt)
-        d2 = np.minimum(d2, (points - nxt) ** 2)
+        np.minimum(d2, (points - nxt) ** 2, out=d2)
     return np.unique(np.asarray(centres, dtype=np.float64))
 
 
-def lloyd(points: np.ndarray, weights: np.ndarray, centres: np.ndarray, iters: int) -> np.ndarray:
-    """Weighted Lloyd iterations on sorted 1-D data; an empty cluster keeps its centre."""
-    c = np.sort(np.asarray(centres, dtype=np.float64))
+def lloyd(points: np.ndarray, weights: np.ndarray, centres: np.ndarray, iters: int = ITERS,
+          pinned: float | None = None) -> np.ndarray:
+    """Weighted Lloyd iterations on sorted 1-D data; an empty cluster keeps its centre,
+    and a centre equal to ``pinned`` (e.g. 0.0 when pruning) never moves."""
+    c = np.unique(np.asarray(centres, dtype=np.float64))
     for _ in range(iters):
         labels = assign(points, c)
         mass = np.bincount(labels, weights=weights, minlength=c.size)
         moment = np.bincount(labels, weights=weights * points, minlength=c.size)
         new = np.where(mass > 0, moment / np.where(mass > 0, mass, 1), c)
+        if pinned is not None:
+            new[c == pinned] = pinned
         new = np.sort(new)
         if np.array_equal(new, c):
             break
@@ -76,26 +89,95 @@ def lloyd(points: np.ndarray, weights: np.ndarray, centres: np.ndarray, iters: i
     return np.unique(c)
 
 
-def weighted_kmeans(points: np.ndarray, counts: np.ndarray, k: int, *, sigma: float = SIGMA,
-                    init: np.ndarray | None = None, iters: int = 30) -> np.ndarray:
-    """Sorted centres (at most ``k``) of bucket ``points`` with ``counts``; deterministic."""
-    points = np.asarray(points, dtype=np.float64)
-    counts = np.asarray(counts, dtype=np.float64)
-    if points.size == 0 or counts.sum() <= 0:
-        raise FormatError("Expected at least one value to cluster. Got none.")
-    if k < 1:
-        raise FormatError(f"Expected k >= 1. Got {k} instead.")
-    order = np.argsort(points, kind="stable")
-    points, counts = points[order], counts[order]
-    if points.size <= k:
-        return np.unique(points)
-    weights = bucket_weights(points, counts, sigma)
-    if init is not None and len(init) == k:
-        return lloyd(points, weights, np.asarray(init, dtype=np.float64), iters)
-    # a few deterministic starts (k-means++ draws and weighted quantiles); keep the lowest loss.
-    rng = np.random.default_rng(_seed(points, weights, k))
+def _prepare(points: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct finite points with summed positive counts."""
+    p = np.asarray(points, dtype=np.float64).ravel()
+    c = np.asarray(counts, dtype=np.float64).ravel()
+    if p.shape != c.shape:
+        raise FormatError(
+            f"Expected one count per point. Got {p.size} points and {c.size} counts instead."
+        )
+    keep = np.isfinite(p) & (c > 0)
+    p, c = p[keep], c[keep]
+    if p.size == 0:
+        raise FormatError(
+            "Expected at least one finite point with a positive count to cluster. Got none "
+            "instead; quantize only tensors with finite values."
+        )
+    uniq, inverse = np.unique(p, return_inverse=True)
+    return uniq, np.bincount(inverse.ravel(), weights=c, minlength=uniq.size)
+
+
+def weighted_kmeans(points: Any, counts: Any, k: int, *, sigma: float = SIGMA,
+                    init: Any = None, iters: int = ITERS, seed: int | None = None) -> np.ndarray:
+    """Sorted distinct centres (at most ``k``) of ``points`` with ``counts``; deterministic.
+
+    ``init`` (e.g. the previous checkpoint's centres) warm-starts Lloyd instead of
+    k-means++, so centres move only as far as the data asks and level ids survive.
+    ``seed`` defaults to a hash of the input. With ``k`` >= the number of distinct
+    points, the distinct points themselves are returned (zero loss).
+    """
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+        raise FormatError(f"Expected k to be an int >= 1. Got {k!r} instead.")
+    if not 0 <= sigma <= 1:
+        raise FormatError(f"Expected sigma in [0, 1]. Got {sigma!r} instead; the paper uses 0.2.")
+    pts, cnt = _prepare(points, counts)
+    if pts.size <= k:
+        return pts
+    weights = bucket_weights(pts, cnt, sigma)
+    if init is not None:
+        start = np.unique(np.asarray(init, np.float64)[np.isfinite(np.asarray(init, np.float64))])
+        if 1 <= start.size <= k:
+            return lloyd(pts, weights, start, iters)
+    rng = np.random.default_rng(_seed(pts, weights, int(k)) if seed is None else seed)
     cdf = np.cumsum(weights) / weights.sum()
-    starts = [kmeans_pp(points, weights, k, rng) for _ in range(RESTARTS)]
-    starts.append(np.unique(points[np.minimum(np.searchsorted(cdf, (np.arange(k) + 0.5) / k), points.size - 1)]))
-    fits = [lloyd(points, weights, s, iters) for s in starts]
-    return min(fits, key=lambda c: (loss(points, weights, c), c.size))
+    starts = [kmeans_pp(pts, weights, int(k), rng) for _ in range(RESTARTS)]
+    quantiles = np.searchsorted(cdf, (np.arange(k) + 0.5) / k)
+    starts.append(np.unique(pts[np.minimum(quantiles, pts.size - 1)]))
+    fits = [lloyd(pts, weights, s, iters) for s in starts]
+    return min(fits, key=lambda c: (loss(pts, weights, c), c.size))
+
+
+def through_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded through a tensor dtype (``F32``/``F16``/``BF16``/``F64``),
+    so a value equal to a centre stays equal after the tensor is cast to its dtype."""
+    v = np.asarray(values, np.float32)
+    if dtype == "F16":
+        return v.astype(np.float16).astype(np.float32)
+    if dtype == "BF16":
+        return bf16.round_float32(v)
+    return v
+
+
+def fit_codebook(values: Any, k: int, *, include_zero: bool, sketch: LogSketch | None = None,
+                 previous: Any = None, dtype: str = "F32", sigma: float = SIGMA) -> np.ndarray:
+    """A sorted float64 codebook of at most ``k`` centres, each exact in ``dtype``.
+
+    Fitted by weighted k-means over the log-space sketch of ``values`` (pass ``sketch``
+    when it is already built; then ``values`` is not read). With ``include_zero``
+    (pruning on) 0.0 is one of the centres and the other ``k - 1`` are fitted.
+    ``previous`` centres warm-start the fit. No values at all gives ``[0.0]``.
+    """
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < (2 if include_zero else 1):
+        raise FormatError(
+            f"Expected k >= {2 if include_zero else 1} levels. Got {k!r} instead."
+        )
+    if sketch is None:
+        sketch = LogSketch.from_values(values)
+    reps, counts = sketch.histogram()
+    fit_k = int(k) - 1 if include_zero else int(k)
+    init = None
+    if previous is not None:
+        prev = np.asarray(previous, np.float64)
+        init = prev[prev != 0.0] if include_zero else prev
+        init = init if 1 <= init.size <= fit_k else None
+    nonzero = reps != 0.0
+    if not nonzero.any():
+        return np.zeros(1)
+    if not include_zero:
+        centres = weighted_kmeans(reps, counts, fit_k, sigma=sigma, init=init)
+    else:  # fit k - 1 centres on the non-zero buckets, then refine them with 0.0 pinned
+        centres = weighted_kmeans(reps[nonzero], counts[nonzero], fit_k, sigma=sigma, init=init)
+        weights = bucket_weights(reps, counts.astype(np.float64), sigma)
+        centres = lloyd(reps, weights, np.union1d(centres, [0.0]), pinned=0.0)
+    return np.unique(through_dtype(centres, dtype)).astype(np.float64)

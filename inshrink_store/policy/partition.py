@@ -2,10 +2,17 @@
 
 Protect the union of the top ``protect`` fraction by magnitude and by sensitivity
 (``|g*w|``), prune the lowest ``prune`` fraction by one metric with one threshold
-pooled per layer type, and snap the rest onto a per-tensor codebook fitted by
-approximate k-means over a log-space sketch. The output values contain only codebook
-centres, 0.0 (a centre when pruning) and protected values rounded to the protected
-dtype, so the ``inshrink.nuq`` codec with tolerance 0 stores them exactly.
+pooled per layer type (merged log-space sketches of every tensor of that type), and
+snap the rest onto a per-tensor codebook fitted by approximate k-means over the
+sketch of the rest. The output values contain only codebook centres, 0.0 (a centre
+when pruning) and protected values rounded to the protected dtype, so the
+``inshrink.nuq`` codec with tolerance 0 stores them exactly.
+
+Codebook stability is the biggest lever on delta size (ALGORITHM.md §2): a tensor's
+previous codebook is reused unchanged while its squared error on the quantized
+(non-protected, non-pruned) values is within ``codebook_reuse_tolerance`` x a fresh
+fit's; otherwise the codebook is refitted warm-started from it. Layer types come from
+module classes or shapes, never from parameter names.
 """
 
 from __future__ import annotations
@@ -20,165 +27,281 @@ from inshrink_store.codecs import bf16
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.config import QuantConfig
-from inshrink_store.policy.kmeans import bucket_weights, weighted_kmeans
-from inshrink_store.policy.kmeans import loss as kmeans_loss
-from inshrink_store.policy.sketch import LogSketch
+from inshrink_store.policy.kmeans import fit_codebook, through_dtype
+from inshrink_store.policy.sketch import BLOCK, LogSketch
+
+__all__ = [
+    "LAYER_TYPES", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
+    "protected_mask", "prune_thresholds", "quantize_state", "quantize_tensor",
+]
 
 LAYER_TYPES = ("linear", "conv", "embedding", "norm", "other")
-_KINDS = {"linear": "linear", "conv": "conv", "embedding": "embedding", "norm": "norm",
-          "batchnorm": "norm", "layernorm": "norm", "groupnorm": "norm", "rmsnorm": "norm",
-          "multiheadattention": "linear", "bilinear": "linear"}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_NUMPY_NAMES = {"float32": "F32", "float16": "F16", "float64": "F64"}
 
 
 def layer_type(shape: tuple[int, ...], module_kind: str | None = None) -> str:
-    """From the module class when known (``"Conv2d"`` -> conv), else from the shape."""
+    """Layer type from the owning module's class name when known, else from the shape.
+
+    ``"Embedding"``/``"EmbeddingBag"`` -> embedding, ``"*Norm*"`` -> norm, ``"Conv*"`` ->
+    conv (but a 2-D weight, e.g. GPT-2's ``Conv1D``, is a linear layer), ``"*Linear*"``
+    and attention -> linear. Without a kind: 2-D linear, 3..5-D conv, 1-D norm/bias.
+    """
+    ndim = len(tuple(shape))
     if module_kind:
         kind = module_kind.lower()
-        for prefix, lt in _KINDS.items():
-            if kind.startswith(prefix):
-                return lt
+        if "embedding" in kind:
+            return "embedding"
+        if "norm" in kind:
+            return "norm"
+        if kind.startswith("conv") or kind.startswith("lazyconv"):
+            return "linear" if ndim == 2 else "conv"
+        if "linear" in kind or "attention" in kind or kind == "bilinear":
+            return "linear"
         return "other"
-    if len(shape) == 2:
+    if ndim == 2:
         return "linear"
-    if 3 <= len(shape) <= 5:
+    if 3 <= ndim <= 5:
         return "conv"
-    return "norm" if len(shape) == 1 else "other"
+    return "norm" if ndim <= 1 else "other"
 
 
 @dataclass(frozen=True)
 class TensorInput:
-    values: np.ndarray  # float32 (bf16/f16 widened)
-    dtype: str  # "F32" | "F16" | "BF16"
-    layer_type: str = "linear"
+    """One tensor to quantize.
+
+    ``values``: the tensor as numpy (bfloat16 tensors widened to float32 with
+    ``dtype="BF16"``); ``dtype``: ``F32``/``F16``/``BF16``/``F64``, inferred from
+    ``values`` when omitted; ``layer_type``: one of :data:`LAYER_TYPES`, from the shape
+    when omitted; ``sensitivity``: ``|g*w|`` scores shaped like ``values``;
+    ``previous_codebook``: the previous version's codebook of this tensor.
+    """
+
+    values: np.ndarray
+    dtype: str | None = None
+    layer_type: str | None = None
     sensitivity: np.ndarray | None = None
     previous_codebook: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        values = np.asarray(self.values)
+        object.__setattr__(self, "values", values)
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", _NUMPY_NAMES.get(values.dtype.name, values.dtype.name))
+        if self.layer_type is None:
+            object.__setattr__(self, "layer_type", layer_type(values.shape))
+        if self.layer_type not in LAYER_TYPES:
+            raise FormatError(
+                f"Expected a layer type in {LAYER_TYPES}. Got {self.layer_type!r} instead; "
+                "use layer_type(shape, module_kind) to derive it."
+            )
+        if self.dtype in FLOAT_DTYPES and not np.issubdtype(values.dtype, np.floating):
+            raise FormatError(
+                f"Expected floating values for dtype {self.dtype}. Got {values.dtype} instead; "
+                "pass bfloat16 tensors widened to float32."
+            )
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    values: np.ndarray  # float32, only centres / 0 / protected values
+    """``values``: float32, same shape, only centres / 0.0 / protected values;
+    ``codebook``: sorted centres, each exact in the tensor's dtype; ``stats``: levels,
+    pruned_fraction, protected_fraction, rel_l2_error, max_abs_error, codebook_reused,
+    layer_type, prune_threshold."""
+
+    values: np.ndarray
     codebook: tuple[float, ...]
     stats: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _through(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Round float32 values through a tensor dtype so equality survives the cast."""
-    if dtype == "F16":
-        return values.astype(np.float16).astype(np.float32)
-    if dtype == "BF16":
-        return bf16.round_float32(values.astype(np.float32))
-    return values.astype(np.float32)
+def is_quantizable(t: TensorInput, config: QuantConfig) -> bool:
+    """Floating, at least 2-D and at least ``min_numel`` elements; the rest stays lossless."""
+    return t.dtype in FLOAT_DTYPES and t.values.ndim >= 2 and t.values.size >= config.min_numel
 
 
-def _top_threshold(scores: np.ndarray, fraction: float) -> float:
-    """Score above which about ``fraction`` of elements lie (exact, O(n) selection)."""
-    n = scores.size
-    count = int(round(fraction * n))
-    if count <= 0:
-        return np.inf
-    return float(np.partition(scores.ravel(), n - count)[n - count])
+def _as_float32(t: TensorInput) -> np.ndarray:
+    return np.ascontiguousarray(t.values, dtype=np.float32)
 
 
-def _protected_mask(t: TensorInput, config: QuantConfig) -> np.ndarray:
-    mag = np.abs(t.values)
-    mask = ~np.isfinite(t.values)
-    mag = np.where(mask, 0, mag)
-    if config.protect > 0:
-        mask |= mag >= _top_threshold(mag, config.protect)
-        if t.sensitivity is not None:
-            sens = np.nan_to_num(np.abs(t.sensitivity), nan=0.0, posinf=0.0)
-            mask |= sens >= _top_threshold(sens, config.protect)
-    return mask
+def _metric(t: TensorInput, config: QuantConfig) -> str:
+    """The prune metric used for ``t``: sensitivity only when asked for and available."""
+    return "sensitivity" if config.prune_metric == "sensitivity" and t.sensitivity is not None else "magnitude"
 
 
 def _prune_scores(t: TensorInput, metric: str) -> np.ndarray:
-    if metric == "sensitivity" and t.sensitivity is not None:
-        return np.nan_to_num(np.abs(t.sensitivity), nan=np.inf)
-    return np.nan_to_num(np.abs(t.values), nan=np.inf)
+    """Scores whose lowest values are pruned; NaN scores are never pruned (NaN <= x is false)."""
+    return np.abs(t.sensitivity if metric == "sensitivity" else t.values)
 
 
-def pooled_prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantConfig) -> dict[str, float]:
-    """One threshold per layer type from merged sketches of every tensor of that type."""
+def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantConfig) -> dict[tuple[str, str], float]:
+    """One threshold per (layer type, metric) from the merged sketches of all its tensors:
+    the pooled ``prune`` quantile of the scores (tensors without sensitivity pool apart,
+    by magnitude, so magnitudes and ``|g*w|`` never share a scale)."""
     if config.prune <= 0:
         return {}
-    sketches: dict[str, LogSketch] = {}
-    for t in tensors.values():
-        s = LogSketch.from_values(_prune_scores(t, config.prune_metric))
-        sketches[t.layer_type] = sketches[t.layer_type].merge(s) if t.layer_type in sketches else s
-    return {lt: s.quantile(config.prune) for lt, s in sketches.items() if s.count}
+    pooled: dict[tuple[str, str], LogSketch] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        metric = _metric(t, config)
+        source = t.sensitivity if metric == "sensitivity" else t.values
+        sketch = LogSketch.from_values(source).magnitudes()
+        key = (str(t.layer_type), metric)
+        pooled[key] = pooled[key].merge(sketch) if key in pooled else sketch
+    return {key: s.quantile(config.prune) for key, s in sorted(pooled.items()) if s.count}
 
 
-def _weighted_error(reps: np.ndarray, counts: np.ndarray, centres: np.ndarray) -> float:
-    """The k-means objective itself (bucket weights W), so reuse is judged on what the fit optimises."""
-    return kmeans_loss(reps, bucket_weights(reps, counts), centres)
+def _top_mask(values: np.ndarray, count: int, out: np.ndarray) -> None:
+    """Set ``out`` where ``|values|`` is among the ``count`` largest (ties at the cut
+    included, zeros and NaN never). O(n) selection on one scratch copy, no full sort;
+    the comparison runs blockwise so the scratch is the only full-size temporary."""
+    scratch = np.abs(np.asarray(values, np.float32 if values.dtype == np.float16 else None)).ravel()
+    if not np.isfinite(scratch).all():
+        scratch[np.isnan(scratch)] = 0.0  # NaN sorts last; it must not take a top slot
+    kth = scratch.size - count
+    scratch.partition(kth)
+    cut = scratch[kth]
+    del scratch
+    flat, dst = values.ravel(), out.ravel()
+    for s in range(0, flat.size, BLOCK):
+        mag = np.abs(flat[s:s + BLOCK])
+        dst[s:s + BLOCK] |= (mag > 0) if cut <= 0 else (mag >= cut)
 
 
-def fit_codebook(values: np.ndarray, k: int, *, include_zero: bool, dtype: str = "F32",
-                 previous: tuple[float, ...] | None = None, reuse_tolerance: float = 1.10) -> tuple[np.ndarray, bool]:
-    """Sorted centres (exact in ``dtype``; 0.0 among them when ``include_zero``) and whether
-    the previous codebook was reused unchanged.
-
-    With a previous codebook of the same size, the fresh fit is warm-started from it
-    (centres move as little as the data asks, so most level ids survive) and the previous
-    one is kept outright while its loss is within ``reuse_tolerance`` x the refit's.
-    """
-    reps, counts = LogSketch.from_values(values).histogram()
-    fit_k = k - 1 if include_zero else k
-    prev = None
-    if previous is not None and len(previous) == k:
-        prev = np.unique(_through(np.asarray(previous, np.float32), dtype)).astype(np.float64)
-        if prev.size != k or (include_zero and 0.0 not in prev):
-            prev = None
-    if reps.size == 0 or fit_k < 1:
-        centres = np.zeros(1)
-    else:
-        init = None if prev is None else (prev[prev != 0.0] if include_zero else prev)
-        centres = weighted_kmeans(reps, counts, fit_k, init=init)
-    if include_zero:
-        centres = np.union1d(centres, [0.0])
-    fresh = np.unique(_through(centres.astype(np.float32), dtype))
-    if prev is not None and reps.size:
-        if _weighted_error(reps, counts, prev) <= reuse_tolerance * _weighted_error(reps, counts, fresh) + 1e-30:
-            return prev, True
-    return fresh, False
+def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float) -> np.ndarray:
+    """Non-finite values, the top ``fraction`` by ``|w|`` and the top ``fraction`` by ``|s|``."""
+    mask = ~np.isfinite(values)
+    count = int(round(fraction * values.size))
+    if count > 0:
+        _top_mask(values, count, mask)
+        if sensitivity is not None:
+            _top_mask(np.asarray(sensitivity), count, mask)
+    return mask
 
 
-def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float | None) -> QuantizedTensor:
-    w = t.values
-    protected = _protected_mask(t, config)
+def _sq_error(w: np.ndarray, mask: np.ndarray, centres: np.ndarray) -> float:
+    """Sum of squared errors of nearest-centre quantization over ``mask``, blockwise in float64."""
+    c32 = centres.astype(np.float32)
+    flat, m = w.ravel(), mask.ravel()
+    total = 0.0
+    for start in range(0, flat.size, BLOCK):
+        x = flat[start:start + BLOCK][m[start:start + BLOCK]]
+        d = x.astype(np.float64) - c32.take(nearest_index(x, c32))
+        total += float(np.dot(d, d))
+    return total
+
+
+def _previous(prev: Any, dtype: str, include_zero: bool, levels: int) -> np.ndarray | None:
+    """The previous codebook, rounded through ``dtype``, if it is usable as this one."""
+    if prev is None:
+        return None
+    p = np.asarray(prev, np.float64).ravel()
+    if p.size == 0 or not np.all(np.isfinite(p)):
+        return None
+    p = np.unique(through_dtype(p, dtype)).astype(np.float64)
+    if p.size != levels or (include_zero and 0.0 not in p):
+        return None
+    return p
+
+
+def _choose_codebook(w: np.ndarray, rest: np.ndarray, levels: int, include_zero: bool, dtype: str,
+                     previous: Any, tolerance: float) -> tuple[np.ndarray, bool]:
+    """Fresh fit, or the previous codebook when it is within ``tolerance`` of the fresh one's
+    error, or a refit warm-started from the previous codebook (fresh when that is worse)."""
+    sketch = LogSketch.from_values(w, mask=rest)
+    fresh = fit_codebook(None, levels, include_zero=include_zero, sketch=sketch, dtype=dtype)
+    prev = _previous(previous, dtype, include_zero, min(levels, max(fresh.size, 1)))
+    if prev is None:
+        prev = _previous(previous, dtype, include_zero, levels)
+    if prev is None:
+        return fresh, False
+    err_fresh = _sq_error(w, rest, fresh)
+    if _sq_error(w, rest, prev) <= tolerance * err_fresh:
+        return prev, True
+    warm = fit_codebook(None, levels, include_zero=include_zero, sketch=sketch, dtype=dtype,
+                        previous=prev)
+    return (warm if _sq_error(w, rest, warm) <= tolerance * err_fresh else fresh), False
+
+
+def _snap(w: np.ndarray, centres: np.ndarray) -> np.ndarray:
+    """Every element replaced by its nearest centre (float32, blockwise take)."""
+    c32 = centres.astype(np.float32)
+    ids = nearest_index(w, c32)
+    out = np.empty(w.size, np.float32)
+    for s in range(0, w.size, BLOCK):
+        np.take(c32, ids[s:s + BLOCK], out=out[s:s + BLOCK])
+    return out.reshape(w.shape)
+
+
+def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
+    """(||w - out|| / ||w||, max |w - out|) over finite elements, blockwise."""
+    wf, of = w.ravel(), out.ravel()
+    num = den = peak = 0.0
+    for s in range(0, wf.size, BLOCK):
+        a = wf[s:s + BLOCK].astype(np.float64)
+        d = a - of[s:s + BLOCK]
+        if not np.isfinite(a).all():
+            fin = np.isfinite(a)
+            a, d = a[fin], d[fin]
+        num += float(np.dot(d, d))
+        den += float(np.dot(a, a))
+        peak = max(peak, float(np.abs(d).max(initial=0.0)))
+    return (float(np.sqrt(num / den)) if den > 0 else 0.0), peak
+
+
+def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float | None = None,
+                    previous: Any = None) -> QuantizedTensor:
+    """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold."""
+    w = _as_float32(t)
+    dtype = str(t.dtype)
+    protected = protected_mask(w, t.sensitivity, config.protect)
     pruned = np.zeros(w.shape, bool)
     if prune_threshold is not None:
-        pruned = (_prune_scores(t, config.prune_metric) <= prune_threshold) & ~protected
+        pruned = (_prune_scores(t, _metric(t, config)) <= prune_threshold) & ~protected
     rest = ~(protected | pruned)
-    bins = config.embedding_bins if t.layer_type == "embedding" else config.bins
-    centres, reused = fit_codebook(w[rest], bins, include_zero=config.prune > 0, dtype=t.dtype,
-                                   previous=t.previous_codebook, reuse_tolerance=config.reuse_tolerance)
-    centres32 = centres.astype(np.float32)
-    out = centres32.take(nearest_index(np.where(rest, w, 0).astype(np.float32).ravel(), centres32)).reshape(w.shape)
+    include_zero = config.prune > 0
+    prev = previous if previous is not None else t.previous_codebook
+    centres, reused = _choose_codebook(w, rest, config.levels_for(str(t.layer_type)), include_zero,
+                                       dtype, prev, config.codebook_reuse_tolerance)
+    out = _snap(w, centres)
     out[pruned] = 0.0
     if protected.any():
         kept = w[protected]
-        out[protected] = bf16.round_float32(kept) if config.protected_dtype == "bfloat16" else _through(kept, t.dtype)
-    finite = np.isfinite(w)
-    diff = np.where(finite, w - out, 0).astype(np.float64)
-    norm = float(np.linalg.norm(np.where(finite, w, 0)))
+        rounded = bf16.round_float32(kept) if config.protected_dtype == "bfloat16" else through_dtype(kept, dtype)
+        out[protected] = np.where(np.isfinite(kept), rounded, kept)  # NaN / Inf left alone
+    rel_l2, max_abs = _error_stats(w, out)
+    n = max(w.size, 1)
     stats = {
-        "levels": int(centres.size), "pruned_fraction": float(pruned.mean()) if w.size else 0.0,
-        "protected_fraction": float(protected.mean()) if w.size else 0.0,
-        "rel_l2_error": float(np.linalg.norm(diff) / norm) if norm > 0 else 0.0,
-        "max_abs_error": float(np.abs(diff).max()) if w.size else 0.0,
-        "codebook_reused": bool(reused), "layer_type": t.layer_type,
+        "levels": int(centres.size),
+        "pruned_fraction": float(np.count_nonzero(pruned)) / n,
+        "protected_fraction": float(np.count_nonzero(protected)) / n,
+        "rel_l2_error": rel_l2,
+        "max_abs_error": max_abs,
+        "codebook_reused": bool(reused),
+        "layer_type": str(t.layer_type),
+        "prune_threshold": None if prune_threshold is None else float(prune_threshold),
     }
     return QuantizedTensor(out, tuple(float(c) for c in centres), stats)
 
 
-def quantize_state(tensors: Mapping[str, TensorInput], config: QuantConfig) -> dict[str, QuantizedTensor]:
-    """Quantize every given tensor with prune thresholds pooled per layer type."""
+def quantize_state(tensors: Mapping[str, TensorInput], config: QuantConfig,
+                   previous: Mapping[str, Any] | None = None) -> dict[str, QuantizedTensor]:
+    """Quantize every quantizable tensor (see :func:`is_quantizable`; others are left out
+    of the result and stay lossless) with prune thresholds pooled per layer type.
+
+    ``previous`` maps names to the previous version's codebooks; it overrides
+    ``TensorInput.previous_codebook``.
+    """
     for name, t in tensors.items():
-        if t.sensitivity is not None and t.sensitivity.shape != t.values.shape:
+        if t.sensitivity is not None and np.shape(t.sensitivity) != t.values.shape:
             raise FormatError(
                 f"Expected sensitivity of tensor {name!r} to have shape {t.values.shape}. "
-                f"Got {t.sensitivity.shape} instead."
+                f"Got {np.shape(t.sensitivity)} instead; pass |g*w| per element or None."
             )
-    thresholds = pooled_prune_thresholds(tensors, config)
-    return {name: quantize_tensor(t, config, thresholds.get(t.layer_type)) for name, t in sorted(tensors.items())}
+    chosen = {name: tensors[name] for name in sorted(tensors) if is_quantizable(tensors[name], config)}
+    thresholds = prune_thresholds(chosen, config)
+    prev = previous or {}
+    return {
+        name: quantize_tensor(t, config, thresholds.get((str(t.layer_type), _metric(t, config))),
+                              prev.get(name))
+        for name, t in chosen.items()
+    }

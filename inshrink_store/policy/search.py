@@ -1,165 +1,338 @@
-"""Dynamic configuration search: the most aggressive configuration the model tolerates.
+"""Dynamic configuration search: the highest measured ratio the model still tolerates.
 
-ALGORITHM.md §3. Quality is monotone along each axis of the cube (fewer bins, more
-pruning, less protection never help), so the feasible set is closed downwards:
-anything less aggressive than a feasible point is feasible, anything more aggressive
-than an infeasible one is infeasible. The full (guided) search binary-searches the
-cube's diagonal, then visits the remaining points in decreasing measured ratio,
-skipping every point the known results already decide; it stops once no undecided
-point can beat the best feasible ratio. Later checkpoints search the small
-neighbourhood of the previous configuration, never more aggressive than it, and fall
-back to the full search when nothing there holds.
+ALGORITHM.md §3, explained in docs/understanding/search.md. Evaluating the dequantized
+model is the expensive step, so the search spends its ``is_feasible`` calls where they
+decide something. Quality is assumed monotone along every axis (fewer bins, more
+pruning, less protection never improve it), so the feasible set is closed downwards in
+the index cube: whatever is at most as aggressive as a feasible point is feasible,
+whatever is at least as aggressive as an infeasible point is infeasible. Every answer
+is cached and those two inferences are reused, so no point is evaluated twice and many
+are never evaluated at all.
+
+- First checkpoint and fallback: a best-first branch and bound over boxes of the
+  cube. In a box, binary-search its diagonal for the most aggressive feasible point,
+  then split the box there and queue the pieces that may still beat the best ratio:
+  a piece is dropped when the ratio measured at its most aggressive corner cannot
+  beat the best, or when its least aggressive corner is infeasible. Once per prune
+  metric. When the ratio also grows with aggressiveness this returns the true
+  optimum (tests check it against brute force).
+- Later checkpoints: the previous point with the other metric (only if it measures a
+  higher ratio), and the previous point's neighbourhood, never more aggressive than
+  it; candidates in decreasing measured ratio, stop at the first feasible one. None
+  feasible: the full search over the whole cube, reusing every answer so far.
+
+This module is pure (numpy-free, torch-free); ``SearchPoint.to_dict()`` has the same
+keys as ``QuantConfig``'s search axes, so a caller builds its config from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import product
+from numbers import Integral, Real
+from typing import Any, Protocol
 
-from inshrink_store.policy.config import BINS, METRICS, PROTECT, PRUNE, QuantConfig
+from inshrink_store.errors import FormatError
 
-Point = QuantConfig
+METRICS = ("magnitude", "sensitivity")
+Index = tuple[int, int, int]
+
+
+class HasSearchAxes(Protocol):
+    """Anything that names a point of the cube, e.g. a ``QuantConfig``."""
+
+    @property
+    def bins(self) -> int: ...
+    @property
+    def prune(self) -> float: ...
+    @property
+    def prune_metric(self) -> str: ...
+    @property
+    def protect(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class SearchPoint:
+    """One point of the cube: ``bins`` levels, the lowest ``prune`` fraction by
+    ``prune_metric`` zeroed, the top ``protect`` fraction kept in high precision."""
+
+    bins: int
+    prune: float
+    prune_metric: str
+    protect: float
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.bins, Integral) and not isinstance(self.bins, bool) and self.bins >= 2,
+             "bins an int >= 2", self.bins),
+            (isinstance(self.prune, Real) and 0.0 <= self.prune < 1.0, "prune in [0, 1)", self.prune),
+            (self.prune_metric in METRICS, f"prune_metric in {METRICS}", self.prune_metric),
+            (isinstance(self.protect, Real) and 0.0 <= self.protect < 1.0, "protect in [0, 1)", self.protect),
+        ]
+        for ok, what, got in checks:
+            if not ok:
+                raise FormatError(f"Expected {what} in SearchPoint. Got {got!r} instead. Fix the value.")
+        for name, kind in (("bins", int), ("prune", float), ("protect", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))  # numpy scalars -> JSON-native
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bins": self.bins, "prune": self.prune, "prune_metric": self.prune_metric,
+                "protect": self.protect}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SearchPoint:
+        if set(data) != set(cls.__dataclass_fields__):
+            raise FormatError(f"Expected exactly the keys {sorted(cls.__dataclass_fields__)}. Got "
+                              f"{sorted(data)} instead. Build it with SearchPoint.to_dict().")
+        return cls(data["bins"], data["prune"], data["prune_metric"], data["protect"])
+
+    @classmethod
+    def of(cls, config: HasSearchAxes) -> SearchPoint:
+        """The search axes of any object with these four attributes (e.g. a QuantConfig)."""
+        return cls(config.bins, config.prune, config.prune_metric, config.protect)
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Axes, each listed from least to most aggressive."""
+    """The cube's axes. Index space orders each axis from least to most aggressive:
+    bins from most to fewest, prune from least to most, protect from most to least."""
 
-    bins: tuple[int, ...] = tuple(sorted(BINS, reverse=True))
-    prune: tuple[float, ...] = PRUNE
-    protect: tuple[float, ...] = tuple(sorted(PROTECT, reverse=True))
+    bins: tuple[int, ...] = (4, 6, 8, 12, 16, 32)
+    prune: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
     metrics: tuple[str, ...] = METRICS
+    protect: tuple[float, ...] = (0.0005, 0.005, 0.01)
 
-    def index(self, p: Point) -> tuple[int, int, int]:
-        return self.bins.index(p.bins), self.prune.index(p.prune), self.protect.index(p.protect)
+    def __post_init__(self) -> None:
+        for name in ("bins", "prune", "metrics", "protect"):
+            values = tuple(getattr(self, name))
+            if not values or len(set(values)) != len(values):
+                raise FormatError(f"Expected a non-empty SearchSpace.{name} without repeats. Got {values!r} "
+                                  "instead. List each value once.")
+            object.__setattr__(self, name, values)
+        self.points()  # builds every SearchPoint, which validates each value
 
-    def point(self, idx: tuple[int, int, int], metric: str, base: Point) -> Point:
-        return QuantConfig(**{**base.to_dict(), "bins": self.bins[idx[0]], "prune": self.prune[idx[1]],
-                              "prune_metric": metric, "protect": self.protect[idx[2]]})
+    @cached_property
+    def axes(self) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+        return (tuple(sorted(self.bins, reverse=True)), tuple(sorted(self.prune)),
+                tuple(sorted(self.protect, reverse=True)))
 
-    def cube(self) -> list[tuple[int, int, int]]:
-        return [(b, p, r) for b in range(len(self.bins)) for p in range(len(self.prune))
-                for r in range(len(self.protect))]
+    @cached_property
+    def shape(self) -> Index:
+        b, p, r = self.axes
+        return len(b), len(p), len(r)
 
+    def __len__(self) -> int:
+        b, p, r = self.shape
+        return b * p * r * len(self.metrics)
 
-def _le(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """a is at most as aggressive as b."""
-    return all(x <= y for x, y in zip(a, b, strict=True))
+    def point(self, idx: Index, metric: str) -> SearchPoint:
+        b, p, r = self.axes
+        return SearchPoint(b[idx[0]], p[idx[1]], metric, r[idx[2]])
+
+    def index(self, point: SearchPoint) -> Index:
+        b, p, r = self.axes
+        try:
+            return b.index(point.bins), p.index(point.prune), r.index(point.protect)
+        except ValueError:
+            raise FormatError(f"Expected a point on the axes {self.axes}. Got {point} instead. Search "
+                              "with a SearchSpace that holds the previous point.") from None
+
+    def points(self) -> list[SearchPoint]:
+        """Every point, metric-major, each metric's points in index order."""
+        b, p, r = self.shape
+        return [self.point(i, m) for m in self.metrics for i in product(range(b), range(p), range(r))]
 
 
 @dataclass(frozen=True)
 class Trial:
-    config: dict[str, Any]
+    """One measured point; ``quality``/``feasible`` are None when only the ratio was measured."""
+
+    point: SearchPoint
     ratio: float
     quality: float | None = None
     feasible: bool | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"point": self.point.to_dict(), "ratio": self.ratio, "quality": self.quality,
+                "feasible": self.feasible}
 
-@dataclass
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Trial:
+        return cls(SearchPoint.from_dict(data["point"]), float(data["ratio"]),
+                   None if data["quality"] is None else float(data["quality"]),
+                   None if data["feasible"] is None else bool(data["feasible"]))
+
+
+@dataclass(frozen=True)
 class SearchResult:
-    best: Point | None
-    mode: str
+    """The chosen point (None: nothing feasible), every trial in order, and how it was found:
+    ``"full"`` (no previous), ``"neighbourhood"``, or ``"fallback"`` (full search after an
+    infeasible neighbourhood)."""
+
+    best: SearchPoint | None
     trials: list[Trial] = field(default_factory=list)
+    mode: str = "full"
+
+    @property
+    def evaluations(self) -> int:
+        """How many times ``is_feasible`` ran."""
+        return sum(t.feasible is not None for t in self.trials)
 
     def to_dict(self) -> dict[str, Any]:
         return {"best": None if self.best is None else self.best.to_dict(), "mode": self.mode,
-                "trials": [asdict(t) for t in self.trials]}
+                "evaluations": self.evaluations, "trials": [t.to_dict() for t in self.trials]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SearchResult:
+        best = None if data["best"] is None else SearchPoint.from_dict(data["best"])
+        return cls(best, [Trial.from_dict(t) for t in data["trials"]], str(data["mode"]))
+
+
+def _le(a: Index, b: Index) -> bool:
+    """``a`` is at most as aggressive as ``b``."""
+    return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2]
 
 
 class _Evaluator:
-    """Caches ratio and feasibility per point and records every trial in order."""
+    """Calls each callback at most once per point, infers what monotone quality decides,
+    and records the trials in first-touch order."""
 
-    def __init__(self, measure_ratio: Callable[[Point], float],
-                 is_feasible: Callable[[Point], tuple[bool, float]]) -> None:
-        self.measure_ratio, self.is_feasible = measure_ratio, is_feasible
-        self.ratios: dict[Point, float] = {}
-        self.results: dict[Point, tuple[bool, float]] = {}
+    def __init__(self, space: SearchSpace, measure_ratio: Callable[[SearchPoint], float],
+                 is_feasible: Callable[[SearchPoint], tuple[bool, float]]) -> None:
+        self.space, self.measure_ratio, self.is_feasible = space, measure_ratio, is_feasible
+        self.ratios: dict[SearchPoint, float] = {}
+        self.answers: dict[SearchPoint, bool] = {}
+        self.known: dict[tuple[str, bool], list[Index]] = {}
+        self.slot: dict[SearchPoint, int] = {}
         self.trials: list[Trial] = []
+        self.best: SearchPoint | None = None  # the best really-evaluated feasible point
+        self.best_ratio = float("-inf")  # earlier wins ties
 
-    def ratio(self, p: Point) -> float:
+    def ratio(self, p: SearchPoint) -> float:
         if p not in self.ratios:
             self.ratios[p] = float(self.measure_ratio(p))
+            self.slot[p] = len(self.trials)
+            self.trials.append(Trial(p, self.ratios[p]))
         return self.ratios[p]
 
-    def feasible(self, p: Point) -> bool:
-        if p not in self.results:
+    def evaluate(self, p: SearchPoint) -> bool:
+        """Really run ``is_feasible`` (once per point)."""
+        if p not in self.answers:
+            ratio = self.ratio(p)  # first, so the trial keeps its first-touch slot
             ok, quality = self.is_feasible(p)
-            self.results[p] = (bool(ok), float(quality))
-            self.trials.append(Trial(p.to_dict(), self.ratio(p), float(quality), bool(ok)))
-        return self.results[p][0]
+            self.answers[p] = bool(ok)
+            self.trials[self.slot[p]] = Trial(p, ratio, float(quality), bool(ok))
+            if ok and ratio > self.best_ratio:
+                self.best, self.best_ratio = p, ratio
+            self.known.setdefault((p.prune_metric, bool(ok)), []).append(self.space.index(p))
+        return self.answers[p]
+
+    def consider(self, p: SearchPoint) -> None:
+        """Evaluate ``p`` if it would beat the best (its feasibility may only be inferred)."""
+        if self.ratio(p) > self.best_ratio:
+            self.evaluate(p)
+
+    def feasible(self, idx: Index, metric: str) -> bool:
+        """Inferred from a known answer when monotonicity decides it, else evaluated."""
+        if any(_le(idx, f) for f in self.known.get((metric, True), ())):
+            return True
+        if any(_le(g, idx) for g in self.known.get((metric, False), ())):
+            return False
+        return self.evaluate(self.space.point(idx, metric))
 
 
-def _full(ev: _Evaluator, space: SearchSpace, metric: str, base: Point) -> tuple[Point | None, float]:
-    cube = space.cube()
-    feasible: list[tuple[int, int, int]] = []
-    infeasible: list[tuple[int, int, int]] = []
+def _index(values: Sequence[int]) -> Index:
+    return values[0], values[1], values[2]
 
-    def check(idx: tuple[int, int, int]) -> bool:
-        ok = ev.feasible(space.point(idx, metric, base))
-        (feasible if ok else infeasible).append(idx)
-        return ok
 
-    # 1. binary search along the diagonal
-    steps = max(len(space.bins), len(space.prune), len(space.protect)) - 1
-    diag = [tuple(round(d * (n - 1) / steps) for n in (len(space.bins), len(space.prune), len(space.protect)))
+def _diagonal(lo: Index, hi: Index) -> list[Index]:
+    """Points from ``lo`` to ``hi``, each axis at the same fraction, rounded half up; a chain
+    whose consecutive points differ by at most one step per axis."""
+    sides = [h - low for low, h in zip(lo, hi, strict=True)]
+    steps = max(sides)
+    if steps == 0:
+        return [lo]
+    return [_index([low + (2 * d * s + steps) // (2 * steps) for low, s in zip(lo, sides, strict=True)])
             for d in range(steps + 1)]
-    lo, hi = -1, len(diag)  # diag[lo] feasible, diag[hi] infeasible
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if check(diag[mid]):  # type: ignore[arg-type]
-            lo = mid
-        else:
-            hi = mid
-    if lo < 0:
-        return None, 0.0
-
-    # 2. the undecided rest, best measured ratio first
-    def undecided(idx: tuple[int, int, int]) -> bool:
-        return not any(_le(f, idx) for f in infeasible) and not any(_le(idx, g) for g in feasible)
-
-    best = max(feasible, key=lambda i: ev.ratio(space.point(i, metric, base)))
-    best_ratio = ev.ratio(space.point(best, metric, base))
-    for idx in sorted((i for i in cube if undecided(i)),
-                      key=lambda i: (-ev.ratio(space.point(i, metric, base)), i)):
-        r = ev.ratio(space.point(idx, metric, base))
-        if r <= best_ratio:
-            break
-        if undecided(idx) and check(idx):
-            best, best_ratio = idx, r
-    return space.point(best, metric, base), best_ratio
 
 
-def search(measure_ratio: Callable[[Point], float], is_feasible: Callable[[Point], tuple[bool, float]],
-           *, previous: Point | None = None, space: SearchSpace | None = None,
-           metrics_available: Sequence[str] = METRICS, base: Point | None = None) -> SearchResult:
-    """Pick the configuration with the highest measured ratio that stays feasible.
+def _guided(ev: _Evaluator, metric: str) -> None:
+    """Best-first branch and bound over boxes of one metric's cube (see the module docstring)."""
+    space = ev.space
+    top = _index([n - 1 for n in space.shape])
+    heap: list[tuple[float, Index, Index]] = []
 
-    ``measure_ratio`` should really encode (cheap next to an evaluation); ``is_feasible``
-    evaluates the dequantized model and returns (within tolerance, quality).
-    """
-    space = space or SearchSpace()
-    base = base or QuantConfig()
-    metrics = [m for m in space.metrics if m in metrics_available] or ["magnitude"]
-    ev = _Evaluator(measure_ratio, is_feasible)
-    if previous is not None and previous.bins in space.bins and previous.prune in space.prune \
-            and previous.protect in space.protect:
-        pidx = space.index(previous)
-        candidates = {space.point(pidx, m, previous) for m in metrics}
-        for b in (pidx[0] - 1, pidx[0]):
-            for p in (pidx[1] - 1, pidx[1]):
-                for r in (pidx[2] - 1, pidx[2]):
-                    if min(b, p, r) >= 0:
-                        candidates.add(space.point((b, p, r), previous.prune_metric, previous))
-        for cand in sorted(candidates, key=lambda c: (-ev.ratio(c), space.index(c), c.prune_metric)):
-            if ev.feasible(cand):
-                return SearchResult(cand, "neighbourhood", ev.trials)
-        mode = "fallback"
-    else:
-        mode = "full"
-    best, best_ratio = None, 0.0
+    def push(lo: Index, hi: Index) -> None:
+        heapq.heappush(heap, (-ev.ratio(space.point(hi, metric)), lo, hi))
+
+    push((0, 0, 0), top)
+    while heap:
+        neg, lo, hi = heapq.heappop(heap)
+        if -neg <= ev.best_ratio or not ev.feasible(lo, metric):
+            continue
+        diag = _diagonal(lo, hi)
+        low, high = 0, len(diag)  # diag[low] feasible, diag[high] infeasible (or past the end)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if ev.feasible(diag[mid], metric):
+                low = mid
+            else:
+                high = mid
+        f = diag[low]
+        ev.consider(space.point(f, metric))
+        for side in product((0, 1), repeat=3):
+            if not any(side):
+                continue  # [lo, f]: feasible, and f has its highest ratio when ratio is monotone
+            parts = [(lo[k], f[k]) if s == 0 else (f[k] + 1, hi[k]) for k, s in enumerate(side)]
+            if all(a <= b for a, b in parts):
+                push(_index([a for a, _ in parts]), _index([b for _, b in parts]))
+
+
+def _neighbourhood(ev: _Evaluator, previous: SearchPoint, metrics: Sequence[str]) -> SearchPoint | None:
+    """Never more aggressive than ``previous``: one step back on any subset of axes, plus
+    ``previous`` with the other metric when that measures a higher ratio."""
+    space = ev.space
+    p = space.index(previous)
+    candidates = [space.point((p[0] - a, p[1] - b, p[2] - c), previous.prune_metric)
+                  for a, b, c in product((0, 1), repeat=3) if min(p[0] - a, p[1] - b, p[2] - c) >= 0]
     for metric in metrics:
-        found, ratio = _full(ev, space, metric, base)
-        if found is not None and ratio > best_ratio:
-            best, best_ratio = found, ratio
-    return SearchResult(best, mode, ev.trials)
+        other = space.point(p, metric)
+        if metric != previous.prune_metric and ev.ratio(other) > ev.ratio(previous):
+            candidates.append(other)
+    order = sorted(candidates, key=lambda c: (-ev.ratio(c), space.index(c), c.prune_metric))
+    return next((c for c in order if ev.evaluate(c)), None)
+
+
+def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[[SearchPoint], tuple[bool, float]],
+           *, previous: HasSearchAxes | None = None, space: SearchSpace | None = None,
+           metrics_available: Sequence[str] = METRICS) -> SearchResult:
+    """The feasible point with the highest measured ratio (best=None if none is feasible:
+    the caller then stores losslessly or with its most conservative configuration).
+
+    ``measure_ratio(point)`` encodes and returns the compression ratio; ``is_feasible(point)``
+    evaluates the dequantized model and returns (within tolerance, quality). Each runs at
+    most once per point; the same callbacks give the same trials in the same order.
+    ``previous`` (any object with the four axes, e.g. a QuantConfig) selects the
+    neighbourhood search; if its metric is not available, the first available one is used.
+    """
+    space = space if space is not None else SearchSpace()
+    metrics = [m for m in space.metrics if m in metrics_available]
+    if not metrics:
+        raise FormatError(f"Expected metrics_available to share a metric with {space.metrics}. Got "
+                          f"{tuple(metrics_available)} instead. Pass ('magnitude',) at least.")
+    ev = _Evaluator(space, measure_ratio, is_feasible)
+    mode = "full"
+    if previous is not None:
+        prev = previous if isinstance(previous, SearchPoint) else SearchPoint.of(previous)
+        if prev.prune_metric not in metrics:
+            prev = SearchPoint(prev.bins, prev.prune, metrics[0], prev.protect)
+        found = _neighbourhood(ev, prev, metrics)
+        if found is not None:
+            return SearchResult(found, ev.trials, "neighbourhood")
+        mode = "fallback"
+    for metric in metrics:
+        _guided(ev, metric)
+    return SearchResult(ev.best, ev.trials, mode)

@@ -1,108 +1,191 @@
 """Log-space quantile sketch (DDSketch style) over weights: thresholds and k-means input.
 
 Keys are ``ceil(log_gamma |x|)`` with ``gamma = (1 + alpha) / (1 - alpha)``; every value in
-a bucket is within relative error ``alpha`` of the bucket's representative
-``2 gamma^i / (gamma + 1)``. Positive and negative values have separate stores and
-zeros are counted apart; NaN and infinities are counted but never bucketed. Sketches
-merge by adding counts, so shards on several ranks give one global sketch. A
-histogram has a few thousand buckets however many millions of weights went in, which
-is what makes the k-means cheap.
+bucket ``i`` lies in ``(gamma^(i-1), gamma^i]`` and is within relative error ``alpha`` of
+the bucket's representative ``2 gamma^i / (gamma + 1)``. Positive and negative values
+have separate stores and zeros are counted apart; NaN and infinities are counted but
+never bucketed. There is no bucket collapsing, so sketches merge by adding counts and
+the sketches of the shards of a tensor (or of all tensors of one layer type) merged
+equal the sketch of the whole. A histogram has a few thousand buckets however many
+millions of weights went in, which is what makes the k-means cheap.
+
+Building is vectorised and blockwise (one ``log2`` + ``bincount`` per block of
+``BLOCK`` elements), so temporary memory stays a few MB whatever the tensor size. The
+``xp`` argument takes an array module with numpy's API (numpy by default); only the
+small per-block histograms come back to numpy.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from inshrink_store.errors import FormatError
 
 ALPHA = 0.01
+BLOCK = 1 << 20  # elements per vectorised pass: keeps temporaries small and cache-friendly
+
+_Store = tuple[np.ndarray, np.ndarray]
 
 
-def _store(magnitudes: np.ndarray, log_gamma: float) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique keys and counts, via one vectorised bincount (no per-element Python)."""
-    if magnitudes.size == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    keys = np.ceil(np.log(magnitudes.astype(np.float64)) / log_gamma).astype(np.int64)
-    lo = int(keys.min())
-    counts = np.bincount(keys - lo)
-    nz = np.flatnonzero(counts)
-    return nz.astype(np.int64) + lo, counts[nz].astype(np.int64)
+def _empty() -> np.ndarray:
+    return np.zeros(0, np.int64)
 
 
-def _merge_store(ka: np.ndarray, ca: np.ndarray, kb: np.ndarray, cb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    keys = np.concatenate([ka, kb])
-    counts = np.concatenate([ca, cb])
+def _host(a: Any) -> np.ndarray:
+    """A numpy array from numpy or an array module with ``.get()`` (CuPy)."""
+    return np.asarray(a.get() if hasattr(a, "get") else a)
+
+
+def _merge_stores(stores: list[_Store]) -> _Store:
+    """Sum counts of equal keys over several (keys, counts) stores."""
+    stores = [s for s in stores if s[0].size]
+    if not stores:
+        return _empty(), _empty()
+    if len(stores) == 1:
+        return stores[0]
+    keys = np.concatenate([k for k, _ in stores])
+    counts = np.concatenate([c for _, c in stores])
     uniq, inverse = np.unique(keys, return_inverse=True)
     return uniq, np.bincount(inverse, weights=counts, minlength=uniq.size).astype(np.int64)
 
 
+def _block_stores(x: Any, scale: float, xp: Any) -> tuple[_Store, _Store, int]:
+    """Positive store, negative store and zero count of one block of finite values."""
+    mag = xp.abs(x).astype(xp.float64)
+    nonzero = mag > 0
+    n_nonzero = int(xp.count_nonzero(nonzero))
+    zeros = int(x.size) - n_nonzero
+    if n_nonzero == 0:
+        return (_empty(), _empty()), (_empty(), _empty()), zeros
+    if zeros:
+        x, mag = x[nonzero], mag[nonzero]
+    keys = xp.log2(mag)
+    keys *= scale
+    xp.ceil(keys, out=keys)
+    ikeys = keys.astype(xp.int64)
+    lo, hi = int(ikeys.min()), int(ikeys.max())
+    span = hi - lo + 1
+    ikeys -= lo
+    ikeys += (x < 0).astype(xp.int64) * span  # negatives in a second key range: one bincount
+    counts = _host(xp.bincount(ikeys, minlength=2 * span)).astype(np.int64)
+    stores = []
+    for part in (counts[:span], counts[span:]):
+        nz = np.flatnonzero(part)
+        stores.append((nz.astype(np.int64) + lo, part[nz]))
+    return stores[0], stores[1], zeros
+
+
 @dataclass(frozen=True)
 class LogSketch:
-    """An immutable sketch; build with :meth:`from_values`, combine with :meth:`merge`."""
+    """An immutable sketch; build with :meth:`from_values`, combine with :meth:`merge`.
+
+    ``pos_keys``/``neg_keys`` are sorted ascending bucket keys of ``|x|`` with their
+    ``*_counts``; ``zero_count`` counts exact zeros; ``nonfinite_count`` NaN and +-inf.
+    """
 
     alpha: float = ALPHA
-    pos_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    pos_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    neg_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    neg_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pos_keys: np.ndarray = field(default_factory=_empty)
+    pos_counts: np.ndarray = field(default_factory=_empty)
+    neg_keys: np.ndarray = field(default_factory=_empty)
+    neg_counts: np.ndarray = field(default_factory=_empty)
     zero_count: int = 0
     nonfinite_count: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
-            raise FormatError(f"Expected 0 < alpha < 1. Got {self.alpha!r} instead.")
+            raise FormatError(
+                f"Expected 0 < alpha < 1. Got {self.alpha!r} instead; use the default {ALPHA}."
+            )
 
     @property
     def gamma(self) -> float:
         return (1 + self.alpha) / (1 - self.alpha)
 
     @classmethod
-    def from_values(cls, values: np.ndarray, alpha: float = ALPHA) -> LogSketch:
-        x = np.asarray(values).ravel()
-        finite = np.isfinite(x)
-        nonfinite = int(x.size - np.count_nonzero(finite))
-        if nonfinite:
-            x = x[finite]
-        log_gamma = math.log((1 + alpha) / (1 - alpha))
-        pk, pc = _store(x[x > 0], log_gamma)
-        nk, nc = _store(-x[x < 0], log_gamma)
-        return cls(alpha, pk, pc, nk, nc, int(np.count_nonzero(x == 0)), nonfinite)
+    def from_values(cls, values: Any, alpha: float = ALPHA, *, mask: Any = None,
+                    xp: Any = np) -> LogSketch:
+        """Sketch of ``values`` (any shape); with ``mask``, only where it is true."""
+        x = xp.asarray(values).ravel()
+        if mask is not None:
+            m = xp.asarray(mask).ravel()
+            if m.shape != x.shape:
+                raise FormatError(
+                    f"Expected a mask of {x.size} elements. Got {m.size} instead; "
+                    "pass a boolean mask shaped like the values."
+                )
+        if x.size and not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise FormatError(f"Expected real numbers to sketch. Got dtype {x.dtype} instead.")
+        scale = 1.0 / math.log2((1 + alpha) / (1 - alpha))
+        pos: list[_Store] = []
+        neg: list[_Store] = []
+        zeros = nonfinite = 0
+        for start in range(0, int(x.size), BLOCK):
+            block = x[start:start + BLOCK]
+            if mask is not None:
+                block = block[m[start:start + BLOCK]]
+            finite = xp.isfinite(block)
+            bad = int(block.size) - int(xp.count_nonzero(finite))
+            if bad:
+                nonfinite += bad
+                block = block[finite]
+            p, q, z = _block_stores(block, scale, xp)
+            pos.append(p)
+            neg.append(q)
+            zeros += z
+        (pk, pc), (nk, nc) = _merge_stores(pos), _merge_stores(neg)
+        return cls(alpha, pk, pc, nk, nc, zeros, nonfinite)
 
     def merge(self, other: LogSketch) -> LogSketch:
+        """Sketch of the union of both inputs (counts add)."""
         if other.alpha != self.alpha:
-            raise FormatError(f"Expected sketches with equal alpha. Got {self.alpha} and {other.alpha}.")
-        pk, pc = _merge_store(self.pos_keys, self.pos_counts, other.pos_keys, other.pos_counts)
-        nk, nc = _merge_store(self.neg_keys, self.neg_counts, other.neg_keys, other.neg_counts)
+            raise FormatError(
+                f"Expected sketches with equal alpha. Got {self.alpha} and {other.alpha} instead; "
+                "build both with the same alpha."
+            )
+        pk, pc = _merge_stores([(self.pos_keys, self.pos_counts), (other.pos_keys, other.pos_counts)])
+        nk, nc = _merge_stores([(self.neg_keys, self.neg_counts), (other.neg_keys, other.neg_counts)])
         return LogSketch(self.alpha, pk, pc, nk, nc, self.zero_count + other.zero_count,
                          self.nonfinite_count + other.nonfinite_count)
 
+    def magnitudes(self) -> LogSketch:
+        """The sketch of ``|x|``: both stores folded into the positive one."""
+        pk, pc = _merge_stores([(self.pos_keys, self.pos_counts), (self.neg_keys, self.neg_counts)])
+        return LogSketch(self.alpha, pk, pc, _empty(), _empty(), self.zero_count, self.nonfinite_count)
+
     @property
     def count(self) -> int:
-        """Finite values sketched."""
+        """Finite values sketched (zeros included, NaN and infinities not)."""
         return int(self.pos_counts.sum() + self.neg_counts.sum() + self.zero_count)
 
-    def _representative(self, keys: np.ndarray) -> np.ndarray:
+    def representatives(self, keys: np.ndarray) -> np.ndarray:
+        """``2 gamma^i / (gamma + 1)`` for bucket keys ``i``."""
         g = self.gamma
-        return 2.0 * np.power(g, keys.astype(np.float64)) / (g + 1.0)
+        return 2.0 * np.power(g, np.asarray(keys, np.float64)) / (g + 1.0)
 
     def histogram(self) -> tuple[np.ndarray, np.ndarray]:
-        """Signed bucket representatives ascending, and their counts (zeros as one bucket)."""
-        neg = -self._representative(self.neg_keys[::-1])
-        pos = self._representative(self.pos_keys)
-        zero = np.zeros(1 if self.zero_count else 0)
-        reps = np.concatenate([neg, zero, pos])
-        counts = np.concatenate([self.neg_counts[::-1], [self.zero_count] if self.zero_count else [], self.pos_counts])
-        return reps, counts.astype(np.int64)
+        """Signed bucket representatives strictly ascending, and their counts (zeros: one bucket at 0.0)."""
+        neg = -self.representatives(self.neg_keys[::-1])
+        pos = self.representatives(self.pos_keys)
+        has_zero = self.zero_count > 0
+        reps = np.concatenate([neg, np.zeros(1 if has_zero else 0), pos])
+        zero = np.array([self.zero_count] if has_zero else [], np.int64)
+        counts = np.concatenate([self.neg_counts[::-1], zero, self.pos_counts]).astype(np.int64)
+        return reps, counts
 
     def quantile(self, q: float) -> float:
-        """The value of rank ``q * (count - 1)`` (lower), within relative error ``alpha``."""
+        """An estimate of the sample of rank ``floor(q * (count - 1))`` in ascending order
+        (numpy's ``method="lower"``), within relative error ``alpha`` of it (0 exactly for 0)."""
         if not 0 <= q <= 1:
             raise FormatError(f"Expected a quantile in [0, 1]. Got {q!r} instead.")
         if self.count == 0:
-            raise FormatError("Expected a sketch with at least one finite value. Got an empty one.")
+            raise FormatError(
+                "Expected a sketch with at least one finite value. Got an empty one instead; "
+                "sketch some values before asking for a quantile."
+            )
         reps, counts = self.histogram()
         rank = math.floor(q * (self.count - 1))
         idx = int(np.searchsorted(np.cumsum(counts), rank, side="right"))

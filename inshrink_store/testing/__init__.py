@@ -1,25 +1,32 @@
 """Test helpers that ship with inshrink-store: hypothesis strategies and a codec checker.
 
-Use them to property-test the project's codecs and your own::
+Use them to property-test the project's codecs and your own
+(``docs/guides/testing-your-codec.md``)::
 
     from hypothesis import given
     from inshrink_store.testing import check_codec_roundtrip, float_arrays
 
-    @given(float_arrays(dtypes=("float32",)))
+    @given(float_arrays(dtypes=("float32",), allow_special=False))
     def test_my_codec(sample):
         check_codec_roundtrip(MyCodec(), sample.array, max_abs_error=1e-3)
 
-hypothesis is only imported by :mod:`inshrink_store.testing.strategies`.
+Only the strategies need hypothesis (a test dependency, not a runtime one), so they
+are imported on first use; ``check_codec_roundtrip`` needs numpy and numcodecs only.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from inshrink_store.testing.roundtrip import check_codec_roundtrip
 
-__all__ = ["check_codec_roundtrip", "codebooks", "float_arrays", "nuq_configs", "FloatSample"]
+__all__ = ["FloatSample", "check_codec_roundtrip", "codebooks", "float_arrays", "nuq_configs"]
+_STRATEGIES = ("FloatSample", "codebooks", "float_arrays", "nuq_configs")
 
 
-def __getattr__(name: str):  # strategies need hypothesis: import them lazily
-    if name in ("codebooks", "float_arrays", "nuq_configs", "FloatSample"):
+def __getattr__(name: str) -> Any:
+    if name in _STRATEGIES:
         from inshrink_store.testing import strategies
 
         return getattr(strategies, name)
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

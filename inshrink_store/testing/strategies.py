@@ -1,12 +1,16 @@
-"""Hypothesis strategies for tensors and codec configurations.
+"""Hypothesis strategies for float tensors and ``inshrink.nuq`` configurations.
 
 bfloat16 has no numpy dtype: such samples carry uint16 bit patterns and say
-``dtype == "bfloat16"``; ``FloatSample.values`` gives them as float32.
+``dtype == "bfloat16"``; :attr:`FloatSample.values` gives any sample as float32.
+Shapes include 0-d and empty arrays, and with ``allow_special`` the elements include
+NaN (with varied payloads and signs), ±Inf, -0.0, subnormals and the largest
+finite values: the inputs codecs get wrong.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 from hypothesis import strategies as st
@@ -14,67 +18,91 @@ from hypothesis.extra import numpy as hnp
 
 from inshrink_store.codecs import bf16
 
-_CARRIER = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
+_CARRIER: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")
+}
 
 
 @dataclass(frozen=True)
 class FloatSample:
-    """An array and its element type name (``array`` is uint16 bits for bfloat16)."""
+    """An array and its element type name; ``array`` holds uint16 bits when ``dtype`` is bfloat16."""
 
     array: np.ndarray
     dtype: str
 
     @property
     def values(self) -> np.ndarray:
-        return bf16.to_float32(self.array) if self.dtype == "bfloat16" else self.array.astype(np.float32)
+        """The elements as float32 (exact for every element dtype)."""
+        if self.dtype == "bfloat16":
+            return bf16.to_float32(self.array)
+        return self.array.astype(np.float32)
 
 
 def shapes(max_dims: int = 3, max_side: int = 17) -> st.SearchStrategy[tuple[int, ...]]:
-    """Shapes including 0-d and empty ones."""
+    """Array shapes, 0-d and empty ones included."""
     return hnp.array_shapes(min_dims=0, max_dims=max_dims, min_side=0, max_side=max_side)
 
 
+def _elements(dtype: str, allow_special: bool, max_magnitude: float) -> st.SearchStrategy[float]:
+    width: Literal[16, 32] = 16 if dtype == "float16" else 32
+    if allow_special:
+        return st.floats(width=width)
+    return st.floats(-max_magnitude, max_magnitude, width=width)
+
+
 @st.composite
-def float_arrays(draw, dtypes=("float32", "float16", "bfloat16"), allow_special: bool = True,
-                 max_dims: int = 3, max_side: int = 17, scale: float = 1.0) -> FloatSample:
-    """Float arrays of any listed dtype; with ``allow_special`` NaN, ±Inf and -0.0 appear."""
+def float_arrays(draw: st.DrawFn, dtypes: tuple[str, ...] = ELEMENT_DTYPES,
+                 allow_special: bool = True, max_dims: int = 3, max_side: int = 17,
+                 max_magnitude: float = 1e4) -> FloatSample:
+    """A :class:`FloatSample` of one of ``dtypes`` ("float32", "float16", "bfloat16").
+
+    ``allow_special=False`` gives finite values within ±``max_magnitude`` only.
+    """
+    unknown = set(dtypes) - set(ELEMENT_DTYPES)
+    if unknown or not dtypes:
+        raise ValueError(f"Expected dtypes from {ELEMENT_DTYPES}. Got {tuple(dtypes)!r} instead.")
     dtype = draw(st.sampled_from(list(dtypes)))
     shape = draw(shapes(max_dims, max_side))
-    width = 16 if dtype != "float32" else 32
-    elements = st.floats(width=width, allow_nan=allow_special, allow_infinity=allow_special,
-                         min_value=None if allow_special else -1e4 * scale,
-                         max_value=None if allow_special else 1e4 * scale)
-    if dtype == "bfloat16":
-        values = draw(hnp.arrays(np.float32, shape, elements=st.floats(width=32, allow_nan=allow_special,
-                                 allow_infinity=allow_special, min_value=None if allow_special else -1e4,
-                                 max_value=None if allow_special else 1e4)))
-        return FloatSample(bf16.from_float32(values), "bfloat16")
+    elements = _elements(dtype, allow_special, max_magnitude)
+    if dtype == "bfloat16":  # float32 values rounded to bfloat16 (the rounding keeps NaN bits)
+        values = draw(hnp.arrays(np.float32, shape, elements=elements))
+        bits = bf16.from_float32(values).reshape(shape)
+        if not allow_special:  # rounding up may step past the bound
+            bits = np.where(np.abs(bf16.to_float32(bits)) > max_magnitude,
+                            bits - np.uint16(1), bits).astype(np.uint16)
+        return FloatSample(bits, "bfloat16")
     return FloatSample(draw(hnp.arrays(_CARRIER[dtype], shape, elements=elements)), dtype)
 
 
+def _bfloat16(value: float) -> float:
+    return float(bf16.round_float32(np.float32(value))) + 0.0  # -0.0 -> 0.0
+
+
 @st.composite
-def codebooks(draw, min_size: int = 1, max_size: int = 40, include_zero: bool | None = None) -> list[float]:
-    """Strictly ascending float centres (distinct in float16, so any element dtype works)."""
-    values = draw(st.lists(st.floats(-100, 100, width=16, allow_subnormal=False), min_size=min_size,
-                           max_size=max_size, unique=True))
+def codebooks(draw: st.DrawFn, min_size: int = 1, max_size: int = 40,
+              include_zero: bool | None = None, max_magnitude: float = 100.0) -> list[float]:
+    """Strictly ascending centres, valid for every element dtype.
+
+    Each centre is exactly representable in bfloat16 and float16 (normal range), so
+    centres stay distinct whatever dtype they are rounded to. ``include_zero``: True
+    forces 0.0 in (the policy layer's pruned weights), None lets hypothesis choose.
+    """
+    centre = st.floats(-max_magnitude, max_magnitude, width=16, allow_subnormal=False).map(_bfloat16)
+    values = set(draw(st.lists(centre, min_size=min_size, max_size=max_size, unique=True)))
     if include_zero or (include_zero is None and draw(st.booleans())):
-        values.append(0.0)
-    centres = sorted({float(np.float16(v)) for v in values} | set())
-    # keep only centres distinct after bfloat16 rounding too
-    out: list[float] = []
-    for c in centres:
-        if not out or bf16.round_float32(np.float32([c]))[0] != bf16.round_float32(np.float32([out[-1]]))[0]:
-            out.append(float(bf16.round_float32(np.float32([c]))[0]))
-    return out or [0.0]
+        values.add(0.0)
+    return sorted(values) or [0.0]
 
 
 @st.composite
-def nuq_configs(draw, dtype: str | None = None) -> dict:
-    """Valid ``inshrink.nuq`` numcodecs configurations."""
+def nuq_configs(draw: st.DrawFn, dtype: str | None = None,
+                tolerances: tuple[float | str, ...] = (0.0, 0.01, 0.5, "inf")) -> dict[str, Any]:
+    """Valid ``inshrink.nuq`` numcodecs configurations (``numcodecs.get_codec`` accepts them)."""
     return {
         "id": "inshrink.nuq",
         "codebook": draw(codebooks()),
-        "tolerance": draw(st.sampled_from([0.0, 0.01, 0.5, "inf"])),
+        "tolerance": draw(st.sampled_from(list(tolerances))),
         "protected_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
-        "dtype": dtype or draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+        "dtype": dtype or draw(st.sampled_from(list(ELEMENT_DTYPES))),
     }
