@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,24 @@ def check_path(path: str) -> str:
     return path
 
 
-def default_chunks(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES) -> tuple[int, ...]:
+def check_no_nesting(paths: Iterable[str]) -> None:
+    """A tensor cannot also be a group: 'a' and 'a/b' together have no zarr layout."""
+    known = set(paths)
+    for b in sorted(known):
+        parts = b.split("/")
+        for cut in range(1, len(parts)):
+            a = "/".join(parts[:cut])
+            if a not in known:
+                continue
+            raise FormatError(
+                f"Expected no tensor name to be a prefix group of another. Got {a!r} and {b!r} "
+                "instead; rename one of them."
+            )
+
+
+def default_chunks(shape: tuple[int, ...], itemsize: int, target: int | None = None) -> tuple[int, ...]:
     """Split along leading axes into chunks of about ``target`` bytes (rows stay whole if they fit)."""
+    target = CHUNK_BYTES if target is None else target
     chunks = [max(1, s) for s in shape]
     for axis in range(len(chunks)):
         inner = math.prod(chunks[axis + 1 :]) * itemsize
@@ -115,6 +131,7 @@ def write_arrays(
     dtypes = dict(dtypes or {})
     arrays = {check_path(p): np.asarray(a) for p, a in tensors.items()}
     names = {p: dtype_name(a, dtypes.get(p), p) for p, a in arrays.items()}
+    check_no_nesting(arrays)
     zarr.open_group(store=store, mode="a").attrs.update(dict(attributes or {}))
     plans: Mapping[str, ArrayPlan] = planner.plan(arrays, names, previous or {}) if planner else {}
     for i, (path, array) in enumerate(sorted(arrays.items())):

@@ -204,6 +204,8 @@ class Repository:
                     f"before {base!r} instead."
                 )
             snapshot_id = parent
+        if back:
+            self.snapshot(snapshot_id)  # gc may have cut history here: NotFoundError, not a dangling id
         return snapshot_id
 
     def _resolve_base(self, base: str) -> str:
