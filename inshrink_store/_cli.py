@@ -7,6 +7,7 @@ stderr. Errors print one clear line, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -267,9 +268,13 @@ def gc(
 
 
 @app.command()
-def du(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOpt = False) -> None:
+def du(
+    url: str, ref: Annotated[str, typer.Argument()] = "main",
+    prefix: Annotated[str, typer.Option("--prefix", help="Only tensors under this path, e.g. model/.")] = "",
+    as_json: JsonOpt = False,
+) -> None:
     """Per version: logical bytes, new stored bytes, cumulative stored bytes, ratio."""
-    rows = _open(url).du(ref)
+    rows = _open(url).du(ref, prefix)
     if as_json:
         _json([r.to_dict() for r in rows])
         return
@@ -279,6 +284,52 @@ def du(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
                       _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
                       _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio))
     out.print(table)
+
+
+@app.command()
+def demo(
+    url: Annotated[str, typer.Argument(help="Where to create the demo store (replaced if it is a local path).")] = "./inshrink-demo",
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 600,
+    every: Annotated[int, typer.Option("--every", min=1, help="Checkpoint every N steps.")] = 50,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Accuracy drop allowed, relative.")] = 0.02,
+    fail_at: Annotated[int | None, typer.Option("--fail-at", help="Simulate a crash at this step, then resume.")] = 430,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a small MLP on the digits data set, checkpointing with dynamic quantization."""
+    from inshrink_store.torch.demo import run_demo
+
+    def say(line: str) -> None:
+        err.print(f"[dim]{line}[/dim]")
+
+    say(f"training {steps} steps, checkpoint every {every} into {url} ...")
+    result = run_demo(url, steps=steps, every=every, fail_at=fail_at, tolerance=tolerance, progress=say)
+    if as_json:
+        _json(dataclasses.asdict(result))
+        return
+    table = Table("step", "bins", "prune", "protect", "search", "evals", "weights", "w. ratio",
+                  "+optimizer", "state ratio", "accuracy")
+    for r in result.rows:
+        c = r["config"] or {}
+        table.add_row(str(r["step"]), str(c.get("bins", "lossless")),
+                      f"{c['prune']:.0%} {c['prune_metric'][:3]}" if c else "-",
+                      f"{c['protect']:.2%}" if c else "-", str(r["search"] or "-"), str(r["evaluations"]),
+                      _size(r["model_stored_bytes"]), _ratio(r["model_ratio"]),
+                      _size(r["stored_bytes"]), _ratio(r["ratio"]),
+                      "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}")
+    out.print(table)
+    weights = result.model_logical_bytes / max(result.model_stored_bytes, 1)
+    total = result.logical_bytes / max(result.stored_bytes, 1)
+    out.print(f"model weights: {_size(result.model_stored_bytes)} stored for {_size(result.model_logical_bytes)}: "
+              f"[bold]{weights:.1f}x[/bold] smaller end to end")
+    out.print(f"whole training state (Adam moments kept lossless): {_size(result.stored_bytes)} for "
+              f"{_size(result.logical_bytes)}: [bold]{total:.1f}x[/bold]")
+    out.print(f"accuracy restored from the last compressed checkpoint: [bold]{result.restored_accuracy:.3f}[/bold] "
+              f"(uncompressed run: {result.reference_accuracy:.3f})")
+    if result.resumed_from_step is not None:
+        out.print(f"resumed after a simulated failure from step {result.resumed_from_step}")
+    out.print(f"training {result.train_s:.1f}s, waiting on checkpoints {result.checkpoint_wait_s:.2f}s, "
+              f"search in the background {result.search_s:.1f}s")
+    out.print(f"inspect it: inshrink log {url}  ·  inshrink du {url}")
 
 
 def main() -> None:

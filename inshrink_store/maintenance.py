@@ -339,8 +339,12 @@ class UsageRow:
         return d
 
 
-def du(repo: Any, ref: str) -> list[UsageRow]:
-    """Storage per version along ``ref``'s history, oldest first; bytes are counted where first used."""
+def du(repo: Any, ref: str, prefix: str = "") -> list[UsageRow]:
+    """Storage per version along ``ref``'s history, oldest first; bytes are counted where first used.
+
+    ``prefix`` (e.g. ``"model/"``) counts only the tensors under it and no tree objects, so a
+    training state's weights and optimizer can be reported apart.
+    """
     history = list(reversed(repo.log(ref)))
     sizes = repo.storage.list("")
     seen: set[str] = set()
@@ -351,10 +355,11 @@ def du(repo: Any, ref: str) -> list[UsageRow]:
         view = reader.view
         new_bytes = new_objects = deltas = 0
         for tid in [info.root, *view.root.nodes.values()]:
-            if tid not in seen:
+            if tid not in seen and not prefix:
                 seen.add(tid)
                 new_bytes += sizes.get(tree_path(tid), 0)
-        for array in reader.arrays().values():
+        arrays = [a for p, a in reader.arrays().items() if p.startswith(prefix)]
+        for array in arrays:
             for oid in array.chunk_ids.values():
                 if oid in seen:
                     continue
@@ -363,7 +368,7 @@ def du(repo: Any, ref: str) -> list[UsageRow]:
                 new_bytes += sizes.get(object_path(oid), 0)
                 with contextlib.suppress(IntegrityError, NotFoundError):
                     deltas += repo.objects.header(oid).is_delta
-        logical = sum(a.logical_bytes for a in reader.arrays().values())
+        logical = sum(a.logical_bytes for a in arrays)
         cumulative += new_bytes
         cumulative_logical += logical
         rows.append(UsageRow(info.id, info.step, info.message, logical, new_bytes, cumulative,

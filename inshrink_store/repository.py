@@ -328,9 +328,10 @@ class Repository:
         """Delete what no kept version reaches (delta bases of kept objects are kept)."""
         return maintenance.gc(self, keep_last=keep_last, dry_run=dry_run, progress=progress)
 
-    def du(self, ref: str = DEFAULT_BRANCH) -> list[maintenance.UsageRow]:
-        """Per version, oldest first: logical bytes, new stored bytes, cumulative, ratio."""
-        return maintenance.du(self, ref)
+    def du(self, ref: str = DEFAULT_BRANCH, prefix: str = "") -> list[maintenance.UsageRow]:
+        """Per version, oldest first: logical bytes, new stored bytes, cumulative, ratio
+        (``prefix="model/"``: only the tensors under it)."""
+        return maintenance.du(self, ref, prefix)
 
 
 def _maybe_name(text: str) -> bool:

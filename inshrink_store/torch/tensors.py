@@ -51,10 +51,10 @@ def tensor_to_array(tensor: Any, path: str) -> tuple[np.ndarray, str]:
 def array_to_tensor(array: np.ndarray, name: str) -> Any:
     if name not in _BY_NAME:
         raise FormatError(f"Expected a logical dtype in {sorted(_BY_NAME)}. Got {name!r} instead.")
-    array = np.ascontiguousarray(array)
+    array = np.array(array, order="C", copy=True)  # not ascontiguousarray: it makes 0-d arrays 1-d
     if name == "BF16":
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(array.copy())
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _storage_identity(tensor: Any) -> tuple[int, int, tuple[int, ...], tuple[int, ...], Any]:

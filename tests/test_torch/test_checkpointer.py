@@ -1,0 +1,167 @@
+"""Checkpointer: search picks a tolerated configuration, runs off the loop, survives restarts."""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import inshrink_store as ins  # noqa: E402
+from inshrink_store.policy import QuantConfig  # noqa: E402
+from inshrink_store.policy.search import SearchPoint, SearchSpace  # noqa: E402
+from inshrink_store.torch import DEFAULT_CONFIG, BackgroundSaveError, Checkpointer, load_state  # noqa: E402
+
+SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.0, 0.2, 0.4), protect=(0.0005, 0.005))
+
+
+def _problem(seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """A linearly separable 2-class problem and an MLP big enough to be quantized (>= 4096 weights)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 32, generator=g)
+    y = (x[:, :4].sum(1) > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 2))
+    return x, y, model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _accuracy(model: Any, x: Any, y: Any) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def _train(model: Any, opt: Any, x: Any, y: Any, steps: int, ck: Checkpointer | None = None) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if ck is not None:
+            ck.observe_gradients()
+        opt.step()
+
+
+def _index(space: SearchSpace, config: dict[str, Any]) -> tuple[int, int, int]:
+    return space.index(SearchPoint.from_dict({k: config[k] for k in ("bins", "prune", "prune_metric", "protect")}))
+
+
+@pytest.fixture
+def url() -> str:
+    return f"memory://ck-{uuid.uuid4().hex}"
+
+
+def test_chosen_configuration_is_within_tolerance_and_never_more_aggressive_later(url: str) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    tolerance = 0.02
+    ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), tolerance=tolerance,
+                      space=SMALL_SPACE)
+    configs = []
+    for step in (20, 40, 60):
+        _train(model, opt, x, y, 20, ck)
+        ck.save(step)
+        info = ck.wait()
+        q = info.metadata["quantization"]
+        assert q["config"] is not None, "a separable problem tolerates some quantization"
+        restored = _problem()[2]
+        restored.load_state_dict(load_state(repo, info.id)["model"])
+        # the stored (quantized) model really is within tolerance of the live one at save time
+        assert _accuracy(restored, x, y) >= q["baseline_quality"] * (1 - tolerance) - 1e-9
+        configs.append((q["config"], q["search"]["mode"]))
+    assert configs[0][1] == "full"
+    for (prev, _), (cur, mode) in zip(configs, configs[1:], strict=False):
+        if mode == "neighbourhood":
+            a, b = _index(SMALL_SPACE, prev), _index(SMALL_SPACE, cur)
+            assert all(bi <= ai for ai, bi in zip(a, b, strict=True)), (prev, cur)
+    ck.close()
+    assert [i.step for i in repo.log()] == [60, 40, 20]
+
+
+def test_nothing_feasible_stores_the_checkpoint_lossless(url: str) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    _train(model, opt, x, y, 5)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def exact(m: Any) -> float:  # any change to the weights is "worse"
+        same = all(torch.equal(m.state_dict()[k], v) for k, v in reference.items())
+        return 1.0 if same else 0.0
+
+    with Checkpointer(repo, model, opt, eval_fn=exact, tolerance=0.0, space=SMALL_SPACE, background=False) as ck:
+        info = ck.save(5)
+    assert info.metadata["quantization"]["config"] is None
+    state = load_state(repo, "main")
+    for k, v in reference.items():
+        assert torch.equal(state["model"][k], v), k
+
+
+def test_without_eval_fn_warns_and_uses_the_default(url: str) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with pytest.warns(UserWarning, match="no eval_fn"):
+        ck = Checkpointer(repo, model, opt)
+    _train(model, opt, x, y, 3, ck)
+    ck.save(3)
+    info = ck.wait()
+    ck.close()
+    assert QuantConfig.from_dict(info.metadata["quantization"]["config"]) == DEFAULT_CONFIG
+    assert info.metadata["quantization"]["search"] is None
+
+
+def test_background_failure_surfaces_on_the_next_call_and_loses_nothing(url: str) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck = Checkpointer(repo, model, opt)
+    ck.save(1)
+    first = ck.wait()
+    real_save = repo.save
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full")
+
+    repo.save = broken  # type: ignore[method-assign]
+    ck.save(2)
+    with pytest.raises(BackgroundSaveError, match="disk full") as info:
+        ck.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    repo.save = real_save  # type: ignore[method-assign]
+    assert repo.resolve("main") == first.id  # the failed save changed nothing
+    ck.save(3)
+    assert ck.wait().parent == first.id
+    ck.close()
+
+
+def test_restore_in_a_new_process_continues_the_chain(tmp_path: Path) -> None:
+    """Restart = new objects over a reopened local store: model and optimizer come back,
+    and the next save is a child of the restored version."""
+    url = str(tmp_path / "store")
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE) as ck:
+        _train(model, opt, x, y, 10, ck)
+        ck.save(10)
+        saved_opt = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        _train(model, opt, x, y, 10, ck)
+        ck.save(20)
+    older = ins.open(url).resolve("main~1")
+
+    _, _, model2, opt2 = _problem(seed=1)
+    repo2 = ins.open(url)
+    with Checkpointer(repo2, model2, opt2, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE) as ck2:
+        assert ck2.restore(older) == 10
+        stored = load_state(repo2, older)
+        for k, v in stored["model"].items():
+            assert torch.equal(model2.state_dict()[k], v), k
+        for k, v in saved_opt.items():  # optimizer state is lossless
+            assert torch.equal(opt2.state_dict()["state"][0][k], v), k
+        _train(model2, opt2, x, y, 5, ck2)
+        info = ck2.save(15)
+        info = ck2.wait() or info
+    assert info.parent == older
+    assert info.metadata["quantization"]["search"]["mode"] in ("neighbourhood", "fallback")
+    assert repo2.resolve("main") == info.id
+    assert np.isfinite(_accuracy(model2, x, y))
