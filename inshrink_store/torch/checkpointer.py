@@ -100,6 +100,8 @@ class Checkpointer:
             state["optimizer"] = _cpu_copy(self.optimizer.state_dict())
         sensitivity = {f"model/{n}": (self._ema[n] * model_state[n].float()).abs().numpy()
                        for n in self._ema if n in model_state}
+        # cleared here, in the loop's thread: the next window starts now, whatever the background does
+        self._ema = {}
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in self.model.named_modules()
                  for p, _ in mod.named_parameters(recurse=False)}
         eval_model = copy.deepcopy(self.model).to("cpu") if self.eval_fn is not None else None
@@ -218,7 +220,6 @@ class Checkpointer:
                               message=message or f"step {step}", metadata=metadata)
         self._parent = info.id
         self._previous = chosen
-        self._ema.clear()
         self.last_search = result
         self.timings.append({"copy_s": copy_s, "search_s": t_search, "total_s": time.perf_counter() - t0 + copy_s})
         return info
