@@ -49,16 +49,30 @@ def _cpu_copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+class _FixedPlans:
+    """A Planner that returns plans already computed (during the search) for this state."""
+
+    def __init__(self, plans: dict[str, Any]) -> None:
+        self.plans = plans
+
+    def plan(self, tensors: Any, dtypes: Any, previous: Any) -> dict[str, Any]:
+        return self.plans
+
+
 class Checkpointer:
     """Saves ``model`` (and ``optimizer``) into ``repo`` with the method of Inshrinkerator."""
 
     def __init__(self, repo: Any, model: Any, optimizer: Any = None, eval_fn: Callable[[Any], float] | None = None,
                  tolerance: float = 0.05, every: int | None = None, *, higher_is_better: bool = True,
                  ema_batches: int = 50, branch: str = "main", background: bool = True,
-                 space: SearchSpace | None = None) -> None:
+                 space: SearchSpace | None = None, optimizer_policy: Any = None) -> None:
         self.repo, self.model, self.optimizer, self.eval_fn = repo, model, optimizer, eval_fn
         self.tolerance, self.every, self.higher_is_better = tolerance, every, higher_is_better
         self.ema_batches, self.branch, self.space = ema_batches, branch, space or SearchSpace()
+        #: a repository Planner for ``optimizer/`` tensors (e.g. ``StatePlanner(QuantConfig(...),
+        #: scope="optimizer/")``); None keeps the optimizer state lossless, the default: the search
+        #: only evaluates the model, so nothing would check what a lossy optimizer costs.
+        self.optimizer_policy = optimizer_policy
         self._ema: dict[str, Any] = {}
         self._batches = 0
         self._parent: str | None = None
@@ -205,9 +219,11 @@ class Checkpointer:
         else:
             chosen = DEFAULT_CONFIG
         t_search = time.perf_counter() - t0
-        quantize = planner(chosen) if chosen is not None else None
-        if quantize is not None:
-            quantize.plan = lambda *a, _p=quantize.plans: _p  # type: ignore[method-assign,attr-defined]
+        plans = dict(planner(chosen).plans) if chosen is not None else {}  # type: ignore[attr-defined]
+        if self.optimizer_policy is not None:
+            optimizer_arrays = {p: a for p, a in arrays.items() if p.startswith("optimizer/")}
+            plans.update(self.optimizer_policy.plan(optimizer_arrays, dtypes, previous))
+        quantize = _FixedPlans(plans) if plans else None
         metadata = {"quantization": {
             "config": None if chosen is None else chosen.to_dict(),
             "baseline_quality": baseline, "tolerance": self.tolerance,

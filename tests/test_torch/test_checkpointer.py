@@ -165,3 +165,29 @@ def test_restore_in_a_new_process_continues_the_chain(tmp_path: Path) -> None:
     assert info.metadata["quantization"]["search"]["mode"] in ("neighbourhood", "fallback")
     assert repo2.resolve("main") == info.id
     assert np.isfinite(_accuracy(model2, x, y))
+
+
+def test_optimizer_state_is_lossless_by_default_and_a_policy_can_quantize_it(url: str) -> None:
+    from inshrink_store.policy import StatePlanner
+
+    x, y, model, opt = _problem()
+    _train(model, opt, x, y, 5)
+    repo = ins.open(url, create=True)
+    with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE) as ck:
+        ck.save(5)
+    arrays = repo.checkout("main").arrays()
+    assert all(a.storage == "lossless" for p, a in arrays.items() if p.startswith("optimizer/"))
+    assert any(a.storage == "quantized" for p, a in arrays.items() if p.startswith("model/"))
+
+    policy = StatePlanner(QuantConfig(bins=16, protect=0.01), scope="optimizer/")
+    with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE,
+                      optimizer_policy=policy) as ck:
+        ck.save(6)
+    arrays = repo.checkout("main").arrays()
+    moments = {p: a for p, a in arrays.items()
+               if p.startswith("optimizer/") and len(a.shape) >= 2 and np.prod(a.shape) >= 4096}
+    assert moments and all(a.storage == "quantized" for a in moments.values())
+    # step counters and 1-D state stay exact whatever the policy
+    state = load_state(repo, "main")
+    for k, v in opt.state_dict()["state"].items():
+        assert torch.equal(state["optimizer"]["state"][k]["step"], v["step"])
