@@ -120,14 +120,27 @@ def log(
     if as_json:
         _json([e.to_dict() for e in entries])
         return
-    table = Table("snapshot", "time", "step", "message", "metrics", "config")
+    table = Table("snapshot", "time", "step", "message", "metrics", "config", "search")
     for e in entries:
         metrics = " ".join(f"{k}={v:.4g}" for k, v in e.metrics.items())
-        config = e.metadata.get("quantization", {}).get("config", {}) if isinstance(e.metadata.get("quantization"), dict) else {}
+        quant = e.metadata.get("quantization")
+        quant = quant if isinstance(quant, dict) else {}
+        config = quant.get("config") or {}
         cfg = " ".join(f"{k}={v}" for k, v in config.items() if k in ("bins", "prune", "prune_metric", "protect"))
+        if quant and not config:
+            cfg = "lossless (nothing within tolerance)" if quant.get("search") else "lossless"
         table.add_row(e.id[:12], e.time[:19].replace("T", " "), str(e.step if e.step is not None else "-"),
-                      e.message, metrics, cfg)
+                      e.message, metrics, cfg, _search_summary(quant.get("search")))
     out.print(table)
+
+
+def _search_summary(search: Any) -> str:
+    """'neighbourhood: 2 evaluated of 9 tried' from a SearchResult.to_dict()."""
+    if not isinstance(search, dict):
+        return "-"
+    trials = search.get("trials") or []
+    evaluated = sum(1 for t in trials if isinstance(t, dict) and t.get("feasible") is not None)
+    return f"{search.get('mode', '?')}: {evaluated} evaluated of {len(trials)} tried"
 
 
 @app.command("ls")
