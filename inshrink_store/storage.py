@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import threading
 import uuid
 from typing import Any
 
@@ -19,10 +20,16 @@ import fsspec
 
 from inshrink_store.errors import FormatError, MissingDependencyError, NotFoundError
 
+_MEMORY_LOCK = threading.Lock()
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
 def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol in _EXTRAS:
+        # Refs are found by listing, and another writer may add one at any moment:
+        # a cached listing would hide its commit (a stale head, a missed conflict).
+        storage_options = {"use_listings_cache": False, **storage_options}
     try:
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
     except ImportError as exc:
@@ -35,6 +42,20 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.Abstr
     except ValueError as exc:
         raise FormatError(f"Expected a store URL fsspec understands. Got {url!r} instead ({exc}).") from exc
     return fs, root.rstrip("/")
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a new directory entry durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class Storage:
@@ -79,25 +100,63 @@ class Storage:
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Create ``path`` only if it does not exist yet: the single atomic step of a commit.
 
-        Raises ``FileExistsError`` when another writer created it first.
-        Local: O_EXCL. Object stores: a conditional put (If-None-Match / ifGenerationMatch=0).
+        Raises ``FileExistsError`` when another writer created it first, and in no
+        case leaves a partly written file under ``path``: a reader sees either no
+        ref or the whole ref.
+
+        - local disk: write and fsync a temp file, then ``os.link`` it into place;
+          a hard link fails atomically if the name exists, and a crash before it
+          leaves only an ignored temp file (never an empty ref, as O_EXCL-then-write
+          would);
+        - ``memory://``: one process-wide lock around check and write (the memory
+          filesystem is a process-global dict; fsspec's own create is check-then-set);
+        - object stores: a conditional put (S3 ``If-None-Match: *``, GCS
+          ``ifGenerationMatch=0``) through ``pipe_file(mode="create")``, which the
+          server decides atomically.
         """
         full = self._full(path)
         if self.is_local:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return
-        with self.fs.open(full, "xb") as f:
+            self._create_exclusive_local(full, data)
+        elif self.protocol == "memory":
+            with _MEMORY_LOCK:
+                if self.fs.exists(full):
+                    raise FileExistsError(full)
+                self.fs.pipe_file(full, data)
+        else:
+            self.fs.pipe_file(full, data, mode="create")
+
+    @staticmethod
+    def _create_exclusive_local(full: str, data: bytes) -> None:
+        directory = os.path.dirname(full)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            try:
+                os.link(tmp, full)
+            except FileExistsError:
+                raise
+            except OSError:
+                # A filesystem without hard links: O_EXCL still decides the race,
+                # at the cost of a window where the file exists but is empty.
+                fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_directory(directory)
 
     def list(self, prefix: str) -> dict[str, int]:
         """All files under ``prefix`` (recursive) as relative path -> size, sorted by path."""
         full = self._full(prefix)
+        self.fs.invalidate_cache(full)  # listings must reflect other writers, never a cache
         try:
             found = self.fs.find(full, detail=True)
         except FileNotFoundError:

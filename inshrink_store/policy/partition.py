@@ -238,7 +238,8 @@ def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
     num = den = peak = 0.0
     for s in range(0, wf.size, BLOCK):
         a = wf[s:s + BLOCK].astype(np.float64)
-        d = a - of[s:s + BLOCK]
+        with np.errstate(invalid="ignore"):  # inf - inf; non-finite elements are dropped below
+            d = a - of[s:s + BLOCK]
         if not np.isfinite(a).all():
             fin = np.isfinite(a)
             a, d = a[fin], d[fin]

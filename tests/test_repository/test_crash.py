@@ -117,10 +117,10 @@ def test_sigkill_at_random_times(tmp_path: Path) -> None:
         np.testing.assert_array_equal(ins.open(url).load()["step"], np.array(7))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a crash inside local create_exclusive leaves an empty ref")
-def test_crash_between_exclusive_create_and_write(tmp_path: Path) -> None:
-    """Storage.create_exclusive opens with O_EXCL and *then* writes: a kill in between
-    leaves an empty head ref and the whole branch unreadable."""
+def test_crash_inside_exclusive_create_leaves_no_ref(tmp_path: Path) -> None:
+    """A kill after the new ref's bytes are written but before they are linked into
+    place: the head stays the previous version, the branch stays readable, and the
+    left-over temp file is not mistaken for a ref."""
     url = str(tmp_path / "store")
     repo = ins.open(url, create=True)
     first = repo.save(state(SEED, 0), message="v0", step=0)
@@ -128,14 +128,16 @@ def test_crash_between_exclusive_create_and_write(tmp_path: Path) -> None:
         "import os, sys, inshrink_store as ins\n"
         "sys.path.insert(0, sys.argv[2])\n"
         "from _child import state\n"
-        "real_open = os.open\n"
-        "def excl_open(path, flags, *a):\n"
-        "    fd = real_open(path, flags, *a)\n"
-        "    if flags & os.O_EXCL: os._exit(9)\n"
-        "    return fd\n"
-        "os.open = excl_open\n"
+        "def crash_link(src, dst, *a, **k):\n"
+        "    os._exit(9)\n"
+        "os.link = crash_link\n"
         "ins.open(sys.argv[1]).save(state(3, 1), message='v1', step=1)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, url, str(CHILD.parent)], timeout=120)
     assert proc.returncode == 9
     assert ins.open(url).resolve("main") == first.id
+    reopened = ins.open(url)
+    assert [entry.id for entry in reopened.log("main")] == [first.id]
+    assert reopened.verify().ok
+    second = reopened.save(state(3, 1), message="v1 again", step=1)
+    assert ins.open(url).resolve("main") == second.id

@@ -115,7 +115,6 @@ def test_stale_transaction_conflicts_without_rebase(memory_url: str) -> None:
     np.testing.assert_array_equal(repo.checkout("main").read("w"), np.zeros(3, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: memory:// create_exclusive is check-then-create")
 def test_memory_exclusive_create_is_atomic(memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the interleaving threads can hit: both pass fsspec's exists() check
     before either creates the file. Exactly one create must still win."""

@@ -1,0 +1,105 @@
+"""The fsspec adapter: the same few guarantees on memory, local disk, S3 and GCS.
+
+Everything above ``Storage`` assumes these: missing files raise
+``FileNotFoundError``; exclusive create is decided once and never overwrites;
+listings show what other writers created a moment ago (refs are found by listing).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from inshrink_store.errors import FormatError, MissingDependencyError
+from inshrink_store.storage import Storage
+
+
+def test_read_write_list_delete(store_url: str) -> None:
+    storage = Storage(store_url)
+    with pytest.raises(FileNotFoundError):
+        storage.read("objects/ab/missing")
+    assert storage.list("objects") == {}
+    storage.write("objects/ab/cdef", b"12345")
+    storage.write("objects/ab/cdef", b"12345")  # content-addressed: rewriting is harmless
+    storage.write("objects/cd/0123", b"")
+    storage.write("refs/x", b"r")
+    assert storage.read("objects/ab/cdef") == b"12345"
+    assert storage.exists("objects/ab/cdef") and not storage.exists("objects/ab/nope")
+    assert storage.list("objects") == {"objects/ab/cdef": 5, "objects/cd/0123": 0}
+    storage.delete("objects/ab/cdef")
+    storage.delete("objects/ab/cdef")  # deleting twice is not an error (gc may be re-run)
+    assert list(storage.list("objects")) == ["objects/cd/0123"]
+
+
+def test_exclusive_create_never_overwrites(store_url: str) -> None:
+    storage = Storage(store_url)
+    storage.create_exclusive("refs/branches/main/000000000000", b"first")
+    with pytest.raises(FileExistsError):
+        storage.create_exclusive("refs/branches/main/000000000000", b"second")
+    assert storage.read("refs/branches/main/000000000000") == b"first"
+    assert storage.list("refs") == {"refs/branches/main/000000000000": 5}
+
+
+def test_a_second_handle_sees_new_files_at_once(store_url: str) -> None:
+    """Two handles on one store, as two processes would have: a listing or read in
+    one must never be served from a cache that predates the other's write."""
+    one, two = Storage(store_url), Storage(store_url)
+    one.create_exclusive("refs/branches/main/000000000000", b"a")
+    assert list(two.list("refs/branches/main")) == ["refs/branches/main/000000000000"]
+    one.create_exclusive("refs/branches/main/000000000001", b"b")
+    assert list(two.list("refs/branches/main")) == [
+        "refs/branches/main/000000000000", "refs/branches/main/000000000001",
+    ]
+    assert two.read("refs/branches/main/000000000001") == b"b"
+    with pytest.raises(FileExistsError):
+        two.create_exclusive("refs/branches/main/000000000001", b"c")
+
+
+def test_concurrent_exclusive_creates_have_one_winner(store_url: str) -> None:
+    outcomes: list[str] = []
+    barrier = threading.Barrier(4, timeout=30)
+
+    def create(data: bytes) -> None:
+        storage = Storage(store_url)
+        barrier.wait()
+        try:
+            storage.create_exclusive("refs/tags/best", data)
+            outcomes.append(data.decode())
+        except FileExistsError:
+            outcomes.append("exists")
+
+    threads = [threading.Thread(target=create, args=(f"w{i}".encode(),)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if o != "exists"]
+    assert len(winners) == 1 and len(outcomes) == 4
+    assert Storage(store_url).read("refs/tags/best") == winners[0].encode()
+
+
+def test_local_leftover_temp_files_are_not_listed(local_url: str) -> None:
+    storage = Storage(local_url)
+    storage.create_exclusive("refs/branches/main/000000000000", b"a")
+    # what a writer killed between writing its temp file and linking it leaves
+    storage.write("refs/branches/main/000000000001.tmp-deadbeef", b"half")
+    assert list(storage.list("refs")) == ["refs/branches/main/000000000000"]
+
+
+def test_bad_urls_get_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FormatError, match="store URL"):
+        Storage("")
+    with pytest.raises(FormatError, match="nosuchproto"):
+        Storage("nosuchproto://bucket/x")
+
+    import fsspec.core
+
+    def no_backend(url: str, **kwargs: object) -> None:
+        raise ImportError("No module named 's3fs'")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_backend)
+    with pytest.raises(MissingDependencyError, match=r"inshrink-store\[s3\]"):
+        Storage("s3://bucket/store")
+    with pytest.raises(MissingDependencyError, match=r"inshrink-store\[gcs\]"):
+        Storage("gs://bucket/store")
