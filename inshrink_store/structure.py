@@ -8,6 +8,8 @@ floats as hex so NaN, inf and -0.0 survive), stored in the root group's attribut
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +76,10 @@ def _scalar(value: Any, path: str) -> Any:
     if isinstance(value, int):
         return {"__int__": str(value)} if abs(value) >= 2**53 else value
     if isinstance(value, float):
-        return {"__float__": value.hex()}  # exact for every float, NaN, inf and -0.0 included
+        if math.isnan(value):
+            # float.hex() writes every NaN as 'nan': keep its sign and payload as raw bits
+            return {"__float_bits__": struct.pack("<d", value).hex()}
+        return {"__float__": value.hex()}  # exact for every other float, inf and -0.0 included
     raise FormatError(
         f"Expected tensors, dicts, lists, tuples, str, int, float, bool or None in the state. "
         f"Got {type(value).__name__} at {path or '/'!r} instead (no pickle: convert it first)."
@@ -97,6 +102,8 @@ def unflatten(skeleton: Any, leaves: dict[str, Leaf]) -> Any:
                 return tuple(walk(v) for v in node["__tuple__"])
             if "__float__" in node:
                 return float.fromhex(node["__float__"])
+            if "__float_bits__" in node:
+                return _float_from_bits(node["__float_bits__"])
             if "__int__" in node:
                 return int(node["__int__"])
             raise FormatError(f"Expected a known skeleton node. Got keys {sorted(node)} instead.")
@@ -108,3 +115,15 @@ def unflatten(skeleton: Any, leaves: dict[str, Leaf]) -> Any:
         return leaves[path]
 
     return walk(skeleton)
+
+
+def _float_from_bits(text: Any) -> float:
+    try:
+        raw = bytes.fromhex(text)
+        if len(raw) != 8:
+            raise ValueError("not 8 bytes")
+    except (TypeError, ValueError) as exc:
+        raise FormatError(
+            f"Expected 16 hex digits (a float64's bytes) in a __float_bits__ node. Got {text!r} instead."
+        ) from exc
+    return float(struct.unpack("<d", raw)[0])

@@ -41,6 +41,12 @@ def tensor_to_array(tensor: Any, path: str) -> tuple[np.ndarray, str]:
             f"Expected tensor {path!r} to have a supported dtype ({supported}). "
             f"Got {tensor.dtype} instead; convert it (e.g. complex -> torch.view_as_real)."
         )
+    if tensor.layout != torch.strided or tensor.is_meta:
+        kind = "a meta tensor (it has no data)" if tensor.is_meta else f"a {tensor.layout} tensor"
+        raise FormatError(
+            f"Expected tensor {path!r} to be a dense tensor with data. Got {kind} instead; "
+            "convert it first (e.g. .to_dense(), or materialise it on a real device)."
+        )
     name, carrier = TORCH_DTYPES[tensor.dtype]
     t = tensor.detach().to("cpu").contiguous()
     if tensor.dtype == torch.bfloat16:
@@ -57,7 +63,12 @@ def array_to_tensor(array: np.ndarray, name: str) -> Any:
     return torch.from_numpy(array)
 
 
-def _storage_identity(tensor: Any) -> tuple[int, int, tuple[int, ...], tuple[int, ...], Any]:
+def _storage_identity(tensor: Any) -> Any:
+    """Same identity = the same tensor stored once (tied weights). Empty tensors have no
+    storage to share (every one has data_ptr 0), so each is its own; sparse and meta
+    tensors have no data pointer to compare and are refused by name later."""
+    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta:
+        return ("unique", id(tensor))
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
 
