@@ -290,19 +290,39 @@ def quantize_state(tensors: Mapping[str, TensorInput], config: QuantConfig,
     of the result and stay lossless) with prune thresholds pooled per layer type.
 
     ``previous`` maps names to the previous version's codebooks; it overrides
-    ``TensorInput.previous_codebook``.
+    ``TensorInput.previous_codebook``. All results are held at once; a writer that
+    wants one tensor in memory at a time uses :class:`StateQuantizer` instead.
     """
-    for name, t in tensors.items():
-        if t.sensitivity is not None and np.shape(t.sensitivity) != t.values.shape:
-            raise FormatError(
-                f"Expected sensitivity of tensor {name!r} to have shape {t.values.shape}. "
-                f"Got {np.shape(t.sensitivity)} instead; pass |g*w| per element or None."
-            )
-    chosen = {name: tensors[name] for name in sorted(tensors) if is_quantizable(tensors[name], config)}
-    thresholds = prune_thresholds(chosen, config)
-    prev = previous or {}
-    return {
-        name: quantize_tensor(t, config, thresholds.get((str(t.layer_type), _metric(t, config))),
-                              prev.get(name))
-        for name, t in chosen.items()
-    }
+    plan = StateQuantizer(tensors, config, previous)
+    return {name: plan.quantize(name) for name in plan.names}
+
+
+class StateQuantizer:
+    """The pooled (whole-state) half of quantization done up front, the per-tensor half
+    on demand: validates inputs and computes prune thresholds per layer type, then
+    :meth:`quantize` does one tensor. Same results as :func:`quantize_state`, but a
+    writer can quantize, encode and drop tensors one by one (peak memory of one tensor,
+    not of the model)."""
+
+    def __init__(self, tensors: Mapping[str, TensorInput], config: QuantConfig,
+                 previous: Mapping[str, Any] | None = None) -> None:
+        for name, t in tensors.items():
+            if t.sensitivity is not None and np.shape(t.sensitivity) != t.values.shape:
+                raise FormatError(
+                    f"Expected sensitivity of tensor {name!r} to have shape {t.values.shape}. "
+                    f"Got {np.shape(t.sensitivity)} instead; pass |g*w| per element or None."
+                )
+        self.config = config
+        self.chosen = {name: tensors[name] for name in sorted(tensors) if is_quantizable(tensors[name], config)}
+        self.thresholds = prune_thresholds(self.chosen, config)
+        self.previous = dict(previous or {})
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors that will be quantized, sorted."""
+        return list(self.chosen)
+
+    def quantize(self, name: str) -> QuantizedTensor:
+        t = self.chosen[name]
+        threshold = self.thresholds.get((str(t.layer_type), _metric(t, self.config)))
+        return quantize_tensor(t, self.config, threshold, self.previous.get(name))

@@ -9,7 +9,7 @@ snapped values with an ``inshrink.nuq`` serializer at tolerance 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -18,19 +18,48 @@ from inshrink_store.arrays import ArrayPlan
 from inshrink_store.codecs import bf16
 from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.policy.config import QuantConfig
-from inshrink_store.policy.partition import TensorInput, layer_type, quantize_state
+from inshrink_store.policy.partition import StateQuantizer, TensorInput, layer_type
 
 QUANTIZABLE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def _widen(array: np.ndarray, dtype: str) -> np.ndarray:
-    return bf16.to_float32(array) if dtype == "BF16" else array.astype(np.float32)
+    # copy=False: float32 tensors are read in place, not duplicated for the whole model
+    return bf16.to_float32(array) if dtype == "BF16" else array.astype(np.float32, copy=False)
 
 
 def _narrow(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return bf16.from_float32(values)
-    return values.astype(np.float16 if dtype == "F16" else np.float32)
+    return values.astype(np.float16 if dtype == "F16" else np.float32, copy=False)
+
+
+class _LazyPlans(Mapping[str, ArrayPlan]):
+    """Plans computed when the writer asks for one (it asks once per tensor, in order),
+    so only the tensor being written has its quantized copy in memory."""
+
+    def __init__(self, quantizer: StateQuantizer, dtypes: Mapping[str, str], protected_dtype: str,
+                 stats: dict[str, Any]) -> None:
+        self._q, self._dtypes, self._protected, self._stats = quantizer, dtypes, protected_dtype, stats
+
+    def __getitem__(self, path: str) -> ArrayPlan:
+        if path not in self._q.chosen:
+            raise KeyError(path)
+        q = self._q.quantize(path)
+        self._stats[path] = dict(q.stats)
+        dtype = self._dtypes[path]
+        codec = NUQZarrCodec(codebook=q.codebook, tolerance=0.0, protected_dtype=self._protected,
+                             dtype="bfloat16" if dtype == "BF16" else None)
+        return ArrayPlan(_narrow(q.values, dtype), codec, dict(q.stats))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._q.names)
+
+    def __len__(self) -> int:
+        return len(self._q.names)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._q.chosen
 
 
 class StatePlanner:
@@ -55,7 +84,7 @@ class StatePlanner:
         )
 
     def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
-             previous: Mapping[str, dict[str, Any]]) -> dict[str, ArrayPlan]:
+             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
         inputs = {}
         for path in self.eligible(tensors, dtypes):
             prev = previous.get(path, {}).get("codec", {}).get("codebook")
@@ -65,12 +94,5 @@ class StatePlanner:
                 sensitivity=self.sensitivity.get(path),
                 previous_codebook=tuple(prev) if prev else None,
             )
-        results = quantize_state(inputs, self.config)
-        self.results = results
-        plans = {}
-        for path, q in results.items():
-            dtype = dtypes[path]
-            codec = NUQZarrCodec(codebook=q.codebook, tolerance=0.0, protected_dtype=self.config.protected_dtype,
-                                 dtype="bfloat16" if dtype == "BF16" else None)
-            plans[path] = ArrayPlan(_narrow(q.values, dtype), codec, dict(q.stats))
-        return plans
+        self.results = {}  # path -> quantization stats, filled as tensors are written
+        return _LazyPlans(StateQuantizer(inputs, self.config), dtypes, self.config.protected_dtype, self.results)

@@ -1,0 +1,100 @@
+"""The one benchmark command: every comparison side by side, written to docs/benchmarks.md.
+
+    python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; minutes)
+    python benchmarks/run.py --quick    # small sizes, to check the harness (~1 min)
+
+Sections: the lossless store vs torch.save and safetensors; quantization vs int8 + zstd
+and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory); a
+real training run checkpointing into the store (with and without regrouping and
+deltas). The entropy-coder study has its own command (``bench_entropy_coders.py``)
+and page (``docs/understanding/deltas.md``): it is research, not a target.
+Timings are wall clock on whatever machine runs this; the page records which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_quantization  # noqa: E402
+import bench_store  # noqa: E402
+import bench_training  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    import numpy
+    import torch
+    import zarr
+
+    return (f"{cpu}, {os.cpu_count()} cores{mem}, no GPU; Python {platform.python_version()}, "
+            f"numpy {numpy.__version__}, zarr {zarr.__version__}, torch {torch.__version__}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, to check the harness")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                        help="where to write the results page (default: docs/benchmarks.md)")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    sections = []
+    steps = [
+        ("Lossless store vs torch.save and safetensors",
+         lambda: bench_store.markdown(bench_store.run(target_mb=20 if args.quick else 100))),
+        ("Quantization vs int8 + zstd and lossless zstd",
+         lambda: bench_quantization.to_markdown(bench_quantization.run(quick=args.quick))),
+        ("A training run checkpointing into the store",
+         lambda: bench_training.to_markdown(bench_training.run(quick=args.quick))),
+    ]
+    for title, step in steps:
+        t0 = time.perf_counter()
+        print(f"[{title}] ...", file=sys.stderr, flush=True)
+        body = step()
+        print(f"[{title}] {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        sections.append(f"## {title}\n\n{body}\n")
+
+    command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
+    page = "\n".join([
+        "# Benchmarks",
+        "",
+        f"Produced by `{command}` on {datetime.date.today().isoformat()}, in "
+        f"{time.perf_counter() - start:.0f} s.",
+        "",
+        f"Machine: {machine()}. The machine is shared, so treat speeds as within ±30 %; "
+        "ratios and errors are exact and reproducible (every input is seeded).",
+        "",
+        *sections,
+    ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(page)
+    print(page)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
