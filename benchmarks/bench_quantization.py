@@ -67,7 +67,7 @@ def trained_mlp(steps: int) -> tuple[dict[str, np.ndarray], Any]:
     weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
     def accuracy(values: dict[str, np.ndarray]) -> float:
-        model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in values.items()})
+        model.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in values.items()})
         with torch.no_grad():
             return float((model(xte).argmax(1) == yte).float().mean())
 

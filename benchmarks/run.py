@@ -4,7 +4,8 @@
     python benchmarks/run.py --quick    # small sizes, to check the harness (~1 min)
 
 Sections: the lossless store vs torch.save and safetensors; quantization vs int8 + zstd
-and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory); a
+and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory); the
+delta codec's throughput; a
 real training run checkpointing into the store (with and without regrouping and
 deltas). The entropy-coder study has its own command (``bench_entropy_coders.py``)
 and page (``docs/understanding/deltas.md``): it is research, not a target.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_delta  # noqa: E402
 import bench_quantization  # noqa: E402
 import bench_store  # noqa: E402
 import bench_training  # noqa: E402
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
          lambda: bench_store.markdown(bench_store.run(target_mb=20 if args.quick else 100))),
         ("Quantization vs int8 + zstd and lossless zstd",
          lambda: bench_quantization.to_markdown(bench_quantization.run(quick=args.quick))),
+        ("Delta codec throughput",
+         lambda: bench_delta.to_markdown(bench_delta.run(quick=args.quick))),
         ("A training run checkpointing into the store",
          lambda: bench_training.to_markdown(bench_training.run(quick=args.quick))),
     ]
