@@ -167,7 +167,8 @@ class Checkpointer:
         def planner(config: QuantConfig) -> StatePlanner:
             if config not in planners:
                 p = StatePlanner(config, sensitivity=sensitivity, module_kinds=kinds, scope="model/")
-                p.plans = p.plan(arrays, dtypes, previous)  # type: ignore[attr-defined]
+                # materialised: the search reads every plan several times (ratio, eval, write)
+                p.plans = dict(p.plan(arrays, dtypes, previous))  # type: ignore[attr-defined]
                 planners[config] = p
             return planners[config]
 
