@@ -209,7 +209,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"**Throughput**: {params / 1e6:.1f} M float32 parameters ({logical / 1e6:.0f} MB), 1024×1024 linear "
         "layers of Student-t (df 4) values with per-layer scales, seeded. One version, so no delta: "
         "keyframe ratios. The inshrink encode column is the whole path, planning (sketch, k-means, "
-        "partition) + NUQ + store write, in one thread; decode is reading every tensor back.",
+        "partition) + NUQ + store write, in one process on both cores (planning runs in the caller's thread, zarr encodes and decodes chunks on its thread pool); decode is reading every tensor back.",
         "",
         "| method | stored MB | ratio | rel. L2 error | encode M params/s | decode M params/s |",
         "|---|---|---|---|---|---|",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,8 +31,15 @@ app = typer.Typer(
     help="Versioned, compressed checkpoint stores. Every command takes a store URL "
     "(a path, file://, memory://, s3://, gs://).",
 )
-out = Console()
-err = Console(stderr=True)
+def _console(stderr: bool = False) -> Console:
+    """A terminal gets its own width; a pipe or a log file gets a wide one, so tables are
+    never squeezed into rich's default 80 columns and truncated with ellipses."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal or os.environ.get("COLUMNS") else Console(stderr=stderr, width=200)
+
+
+out = _console()
+err = _console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
