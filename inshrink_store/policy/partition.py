@@ -204,10 +204,11 @@ def _previous(prev: Any, dtype: str, include_zero: bool, levels: int) -> np.ndar
 
 
 def _choose_codebook(w: np.ndarray, rest: np.ndarray, levels: int, include_zero: bool, dtype: str,
-                     previous: Any, tolerance: float) -> tuple[np.ndarray, bool]:
+                     previous: Any, tolerance: float, sketch: LogSketch | None = None) -> tuple[np.ndarray, bool]:
     """Fresh fit, or the previous codebook when it is within ``tolerance`` of the fresh one's
     error, or a refit warm-started from the previous codebook (fresh when that is worse)."""
-    sketch = LogSketch.from_values(w, mask=rest)
+    if sketch is None:
+        sketch = LogSketch.from_values(w, mask=rest)
     fresh = fit_codebook(None, levels, include_zero=include_zero, sketch=sketch, dtype=dtype)
     prev = _previous(previous, dtype, include_zero, min(levels, max(fresh.size, 1)))
     if prev is None:
@@ -249,20 +250,55 @@ def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
     return (float(np.sqrt(num / den)) if den > 0 else 0.0), peak
 
 
-def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float | None = None,
-                    previous: Any = None) -> QuantizedTensor:
-    """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold."""
-    w = _as_float32(t)
-    dtype = str(t.dtype)
+class PartitionCache:
+    """Partitions (protected and pruned masks) and sketches of the rest, shared by several
+    configurations of one state. The search quantizes the same tensors under many
+    configurations that differ only in bins; those share the whole partition and the
+    sketch, which are most of the work. Results are identical with or without a cache.
+    Keep one per checkpoint: entries hold a boolean mask pair per tensor and partition."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, LogSketch]] = {}
+
+    def get(self, key: tuple[Any, ...], build: Any) -> tuple[np.ndarray, np.ndarray, LogSketch]:
+        if key not in self._entries:
+            self._entries[key] = build()
+        return self._entries[key]
+
+
+def _partition(w: np.ndarray, t: TensorInput, config: QuantConfig,
+               prune_threshold: float | None) -> tuple[np.ndarray, np.ndarray, LogSketch]:
     protected = protected_mask(w, t.sensitivity, config.protect)
     pruned = np.zeros(w.shape, bool)
     if prune_threshold is not None:
         pruned = (_prune_scores(t, _metric(t, config)) <= prune_threshold) & ~protected
     rest = ~(protected | pruned)
+    return protected, pruned, LogSketch.from_values(w, mask=rest)
+
+
+def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float | None = None,
+                    previous: Any = None, *, cache: PartitionCache | None = None,
+                    name: str | None = None) -> QuantizedTensor:
+    """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold.
+
+    With ``cache`` (and the tensor's ``name`` as its key), the partition and sketch are
+    reused across configurations with the same protect / prune / metric."""
+    w = _as_float32(t)
+    dtype = str(t.dtype)
+
+    def build() -> tuple[np.ndarray, np.ndarray, LogSketch]:
+        return _partition(w, t, config, prune_threshold)
+
+    if cache is not None and name is not None:
+        key = (name, config.protect, prune_threshold, _metric(t, config) if prune_threshold is not None else None)
+        protected, pruned, sketch = cache.get(key, build)
+    else:
+        protected, pruned, sketch = build()
+    rest = ~(protected | pruned)
     include_zero = config.prune > 0
     prev = previous if previous is not None else t.previous_codebook
     centres, reused = _choose_codebook(w, rest, config.levels_for(str(t.layer_type)), include_zero,
-                                       dtype, prev, config.codebook_reuse_tolerance)
+                                       dtype, prev, config.codebook_reuse_tolerance, sketch=sketch)
     out = _snap(w, centres)
     out[pruned] = 0.0
     if protected.any():
@@ -305,7 +341,7 @@ class StateQuantizer:
     not of the model)."""
 
     def __init__(self, tensors: Mapping[str, TensorInput], config: QuantConfig,
-                 previous: Mapping[str, Any] | None = None) -> None:
+                 previous: Mapping[str, Any] | None = None, cache: PartitionCache | None = None) -> None:
         for name, t in tensors.items():
             if t.sensitivity is not None and np.shape(t.sensitivity) != t.values.shape:
                 raise FormatError(
@@ -316,6 +352,7 @@ class StateQuantizer:
         self.chosen = {name: tensors[name] for name in sorted(tensors) if is_quantizable(tensors[name], config)}
         self.thresholds = prune_thresholds(self.chosen, config)
         self.previous = dict(previous or {})
+        self.cache = cache
 
     @property
     def names(self) -> list[str]:
@@ -325,4 +362,4 @@ class StateQuantizer:
     def quantize(self, name: str) -> QuantizedTensor:
         t = self.chosen[name]
         threshold = self.thresholds.get((str(t.layer_type), _metric(t, self.config)))
-        return quantize_tensor(t, self.config, threshold, self.previous.get(name))
+        return quantize_tensor(t, self.config, threshold, self.previous.get(name), cache=self.cache, name=name)

@@ -18,7 +18,7 @@ from inshrink_store.arrays import ArrayPlan
 from inshrink_store.codecs import bf16
 from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.policy.config import QuantConfig
-from inshrink_store.policy.partition import StateQuantizer, TensorInput, layer_type
+from inshrink_store.policy.partition import PartitionCache, StateQuantizer, TensorInput, layer_type
 
 QUANTIZABLE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -66,8 +66,11 @@ class StatePlanner:
     """Implements the repository's ``Planner`` protocol for one configuration."""
 
     def __init__(self, config: QuantConfig, sensitivity: Mapping[str, np.ndarray] | None = None,
-                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None) -> None:
+                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None,
+                 cache: PartitionCache | None = None) -> None:
         self.config = config
+        #: shared by the planners of one checkpoint's candidate configs (see PartitionCache)
+        self.cache = cache
         self.sensitivity = dict(sensitivity or {})
         self.module_kinds = dict(module_kinds or {})
         self.scope = scope
@@ -95,4 +98,4 @@ class StatePlanner:
                 previous_codebook=tuple(prev) if prev else None,
             )
         self.results = {}  # path -> quantization stats, filled as tensors are written
-        return _LazyPlans(StateQuantizer(inputs, self.config), dtypes, self.config.protected_dtype, self.results)
+        return _LazyPlans(StateQuantizer(inputs, self.config, cache=self.cache), dtypes, self.config.protected_dtype, self.results)

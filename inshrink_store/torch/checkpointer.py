@@ -26,6 +26,7 @@ import zstandard
 from inshrink_store.codecs.nuq import NUQ
 from inshrink_store.errors import InshrinkError
 from inshrink_store.policy import QuantConfig, StatePlanner
+from inshrink_store.policy.partition import PartitionCache
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
 from inshrink_store.torch.tensors import STRUCTURE_ATTR, load_state, state_to_arrays, torch
 
@@ -163,10 +164,12 @@ class Checkpointer:
         arrays, dtypes, skeleton = state_to_arrays(state)
         previous = self._previous_codecs()
         planners: dict[QuantConfig, StatePlanner] = {}
+        partitions = PartitionCache()  # candidates differing only in bins share partition + sketch
 
         def planner(config: QuantConfig) -> StatePlanner:
             if config not in planners:
-                p = StatePlanner(config, sensitivity=sensitivity, module_kinds=kinds, scope="model/")
+                p = StatePlanner(config, sensitivity=sensitivity, module_kinds=kinds, scope="model/",
+                                 cache=partitions)
                 # materialised: the search reads every plan several times (ratio, eval, write)
                 p.plans = dict(p.plan(arrays, dtypes, previous))  # type: ignore[attr-defined]
                 planners[config] = p

@@ -27,7 +27,7 @@ from inshrink_store.policy import (
     prune_thresholds,
     quantize_state,
 )
-from inshrink_store.policy.partition import protected_mask
+from inshrink_store.policy.partition import PartitionCache, StateQuantizer, protected_mask
 from inshrink_store.policy.sketch import LogSketch
 
 SHAPES = [(64, 128), (32, 200), (8, 4, 3, 3, 4)]
@@ -234,3 +234,26 @@ def test_mismatched_sensitivity_shape_names_the_tensor():
         quantize_state({"w": TensorInput(w, "F32", sensitivity=np.zeros(3))}, QuantConfig())
     with pytest.raises(FormatError, match="layer type"):
         TensorInput(w, "F32", "attention-ish")
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), prune=st.sampled_from([0.0, 0.3]), protect=st.sampled_from([0.0, 0.01]))
+def test_partition_cache_changes_nothing(seed: int, prune: float, protect: float) -> None:
+    """The search shares partitions and sketches across candidate configs; every
+    config must still get exactly what it gets alone."""
+
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "a": TensorInput((rng.standard_t(4, (96, 80)) * 0.02).astype(np.float32)),
+        "b": TensorInput((rng.standard_normal((64, 128)) * 0.05).astype(np.float32)),
+    }
+    cache = PartitionCache()
+    for bins in (4, 8, 16):
+        config = QuantConfig(bins=bins, prune=prune, protect=protect, min_numel=16)
+        alone = quantize_state(tensors, config)
+        shared = StateQuantizer(tensors, config, cache=cache)
+        for name in shared.names:
+            q = shared.quantize(name)
+            assert q.codebook == alone[name].codebook
+            assert q.values.tobytes() == alone[name].values.tobytes()
+            assert q.stats == alone[name].stats
