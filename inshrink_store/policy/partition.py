@@ -133,10 +133,12 @@ def _prune_scores(t: TensorInput, metric: str) -> np.ndarray:
     return np.abs(t.sensitivity if metric == "sensitivity" else t.values)
 
 
-def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantConfig) -> dict[tuple[str, str], float]:
+def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantConfig,
+                     cache: PartitionCache | None = None) -> dict[tuple[str, str], float]:
     """One threshold per (layer type, metric) from the merged sketches of all its tensors:
     the pooled ``prune`` quantile of the scores (tensors without sensitivity pool apart,
-    by magnitude, so magnitudes and ``|g*w|`` never share a scale)."""
+    by magnitude, so magnitudes and ``|g*w|`` never share a scale). The score sketches do
+    not depend on the prune fraction, so a ``cache`` shares them across configurations."""
     if config.prune <= 0:
         return {}
     pooled: dict[tuple[str, str], LogSketch] = {}
@@ -144,7 +146,11 @@ def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantConfig) ->
         t = tensors[name]
         metric = _metric(t, config)
         source = t.sensitivity if metric == "sensitivity" else t.values
-        sketch = LogSketch.from_values(source).magnitudes()
+
+        def build(source: Any = source) -> LogSketch:
+            return LogSketch.from_values(source).magnitudes()
+
+        sketch = cache.sketch(("scores", name, metric), build) if cache is not None else build()
         key = (str(t.layer_type), metric)
         pooled[key] = pooled[key].merge(sketch) if key in pooled else sketch
     return {key: s.quantile(config.prune) for key, s in sorted(pooled.items()) if s.count}
@@ -251,29 +257,37 @@ def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
 
 
 class PartitionCache:
-    """Partitions (protected and pruned masks) and sketches of the rest, shared by several
-    configurations of one state. The search quantizes the same tensors under many
-    configurations that differ only in bins; those share the whole partition and the
-    sketch, which are most of the work. Results are identical with or without a cache.
-    Keep one per checkpoint: entries hold a boolean mask pair per tensor and partition."""
+    """Sketches of the quantized rest, shared by several configurations of one state.
+
+    The search quantizes the same tensors under many configurations; those with the same
+    protect / prune / metric have the same rest, hence the same sketch, the costliest
+    step of fitting a codebook. Only sketches are kept (a few KB each), never masks or
+    values, so a cache costs no model-sized memory. Results are identical with or without
+    one. Keep one per checkpoint (keys are tensor names)."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, LogSketch]] = {}
+        self._sketches: dict[tuple[Any, ...], LogSketch] = {}
+        self._codebooks: dict[tuple[Any, ...], tuple[np.ndarray, bool]] = {}
 
-    def get(self, key: tuple[Any, ...], build: Any) -> tuple[np.ndarray, np.ndarray, LogSketch]:
-        if key not in self._entries:
-            self._entries[key] = build()
-        return self._entries[key]
+    def sketch(self, key: tuple[Any, ...], build: Any) -> LogSketch:
+        if key not in self._sketches:
+            self._sketches[key] = build()
+        return self._sketches[key]
+
+    def codebook(self, key: tuple[Any, ...], build: Any) -> tuple[np.ndarray, bool]:
+        """A fitted codebook (and whether it reused the previous one), a few floats each."""
+        if key not in self._codebooks:
+            self._codebooks[key] = build()
+        return self._codebooks[key]
 
 
-def _partition(w: np.ndarray, t: TensorInput, config: QuantConfig,
-               prune_threshold: float | None) -> tuple[np.ndarray, np.ndarray, LogSketch]:
+def _masks(w: np.ndarray, t: TensorInput, config: QuantConfig,
+           prune_threshold: float | None) -> tuple[np.ndarray, np.ndarray]:
     protected = protected_mask(w, t.sensitivity, config.protect)
     pruned = np.zeros(w.shape, bool)
     if prune_threshold is not None:
         pruned = (_prune_scores(t, _metric(t, config)) <= prune_threshold) & ~protected
-    rest = ~(protected | pruned)
-    return protected, pruned, LogSketch.from_values(w, mask=rest)
+    return protected, pruned
 
 
 def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float | None = None,
@@ -281,24 +295,29 @@ def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float 
                     name: str | None = None) -> QuantizedTensor:
     """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold.
 
-    With ``cache`` (and the tensor's ``name`` as its key), the partition and sketch are
+    With ``cache`` (and the tensor's ``name`` as its key), the sketch of the rest is
     reused across configurations with the same protect / prune / metric."""
     w = _as_float32(t)
     dtype = str(t.dtype)
-
-    def build() -> tuple[np.ndarray, np.ndarray, LogSketch]:
-        return _partition(w, t, config, prune_threshold)
-
-    if cache is not None and name is not None:
-        key = (name, config.protect, prune_threshold, _metric(t, config) if prune_threshold is not None else None)
-        protected, pruned, sketch = cache.get(key, build)
-    else:
-        protected, pruned, sketch = build()
+    protected, pruned = _masks(w, t, config, prune_threshold)
     rest = ~(protected | pruned)
     include_zero = config.prune > 0
     prev = previous if previous is not None else t.previous_codebook
-    centres, reused = _choose_codebook(w, rest, config.levels_for(str(t.layer_type)), include_zero,
-                                       dtype, prev, config.codebook_reuse_tolerance, sketch=sketch)
+    levels = config.levels_for(str(t.layer_type))
+
+    def choose(sketch: LogSketch | None = None) -> tuple[np.ndarray, bool]:
+        return _choose_codebook(w, rest, levels, include_zero, dtype, prev,
+                                config.codebook_reuse_tolerance, sketch=sketch)
+
+    if cache is not None and name is not None:
+        # the rest (and so its sketch) is fixed by protect / threshold / metric
+        part = (name, config.protect, prune_threshold, _metric(t, config) if prune_threshold is not None else None)
+        prev_key = None if prev is None else tuple(float(c) for c in np.asarray(prev, np.float64).ravel())
+        centres, reused = cache.codebook(
+            (*part, levels, include_zero, dtype, prev_key, config.codebook_reuse_tolerance),
+            lambda: choose(cache.sketch(part, lambda: LogSketch.from_values(w, mask=rest))))
+    else:
+        centres, reused = choose()
     out = _snap(w, centres)
     out[pruned] = 0.0
     if protected.any():
@@ -350,9 +369,9 @@ class StateQuantizer:
                 )
         self.config = config
         self.chosen = {name: tensors[name] for name in sorted(tensors) if is_quantizable(tensors[name], config)}
-        self.thresholds = prune_thresholds(self.chosen, config)
-        self.previous = dict(previous or {})
         self.cache = cache
+        self.thresholds = prune_thresholds(self.chosen, config, cache)
+        self.previous = dict(previous or {})
 
     @property
     def names(self) -> list[str]:

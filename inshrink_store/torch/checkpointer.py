@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,6 +32,7 @@ from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace,
 from inshrink_store.torch.tensors import STRUCTURE_ATTR, load_state, state_to_arrays, torch
 
 log = logging.getLogger(__name__)
+_PLANS_KEPT = 2  # candidate plan sets held at once during a search (each ~ the model's size)
 
 #: used when there is no eval function: conservative, documented in docs/guides/training-loop.md
 DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, protect=0.005)
@@ -163,17 +165,25 @@ class Checkpointer:
         t0 = time.perf_counter()
         arrays, dtypes, skeleton = state_to_arrays(state)
         previous = self._previous_codecs()
-        planners: dict[QuantConfig, StatePlanner] = {}
-        partitions = PartitionCache()  # candidates differing only in bins share partition + sketch
+        # The search reads a candidate's plans for its ratio, maybe for an evaluation, and
+        # the winner's once more to write it. Each plan set is a quantized copy of the
+        # model, so only the most recent few are kept (ratios are remembered separately);
+        # the shared sketches make re-planning an evicted candidate cheap.
+        planners: OrderedDict[QuantConfig, StatePlanner] = OrderedDict()
+        partitions = PartitionCache()
+        ratios: dict[QuantConfig, float] = {}
 
         def planner(config: QuantConfig) -> StatePlanner:
-            if config not in planners:
-                p = StatePlanner(config, sensitivity=sensitivity, module_kinds=kinds, scope="model/",
-                                 cache=partitions)
-                # materialised: the search reads every plan several times (ratio, eval, write)
-                p.plans = dict(p.plan(arrays, dtypes, previous))  # type: ignore[attr-defined]
-                planners[config] = p
-            return planners[config]
+            if config in planners:
+                planners.move_to_end(config)
+                return planners[config]
+            p = StatePlanner(config, sensitivity=sensitivity, module_kinds=kinds, scope="model/",
+                             cache=partitions)
+            p.plans = dict(p.plan(arrays, dtypes, previous))  # type: ignore[attr-defined]
+            planners[config] = p
+            while len(planners) > _PLANS_KEPT:
+                planners.popitem(last=False)
+            return p
 
         def to_config(point: SearchPoint) -> QuantConfig:
             return QuantConfig(**{**DEFAULT_CONFIG.to_dict(), **point.to_dict()})
@@ -183,6 +193,11 @@ class Checkpointer:
 
         def measure_ratio(point: SearchPoint | QuantConfig) -> float:
             config = point if isinstance(point, QuantConfig) else to_config(point)
+            if config not in ratios:
+                ratios[config] = _measure(config)
+            return ratios[config]
+
+        def _measure(config: QuantConfig) -> float:
             plans = planner(config).plans  # type: ignore[attr-defined]
             stored = 0
             for path in model_paths:

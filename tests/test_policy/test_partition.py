@@ -248,8 +248,9 @@ def test_partition_cache_changes_nothing(seed: int, prune: float, protect: float
         "b": TensorInput((rng.standard_normal((64, 128)) * 0.05).astype(np.float32)),
     }
     cache = PartitionCache()
-    for bins in (4, 8, 16):
-        config = QuantConfig(bins=bins, prune=prune, protect=protect, min_numel=16)
+    configs = [(bins, p) for bins in (4, 8, 16) for p in (prune, 0.5)] * 2  # repeats hit the cache
+    for bins, p in configs:
+        config = QuantConfig(bins=bins, prune=p, protect=protect, min_numel=16)
         alone = quantize_state(tensors, config)
         shared = StateQuantizer(tensors, config, cache=cache)
         for name in shared.names:
