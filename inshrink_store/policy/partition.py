@@ -17,7 +17,7 @@ module classes or shapes, never from parameter names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,19 +324,53 @@ def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float 
         kept = w[protected]
         rounded = bf16.round_float32(kept) if config.protected_dtype == "bfloat16" else through_dtype(kept, dtype)
         out[protected] = np.where(np.isfinite(kept), rounded, kept)  # NaN / Inf left alone
-    rel_l2, max_abs = _error_stats(w, out)
     n = max(w.size, 1)
-    stats = {
+    stats = _Stats({
         "levels": int(centres.size),
         "pruned_fraction": float(np.count_nonzero(pruned)) / n,
         "protected_fraction": float(np.count_nonzero(protected)) / n,
-        "rel_l2_error": rel_l2,
-        "max_abs_error": max_abs,
+        "rel_l2_error": None,
+        "max_abs_error": None,
         "codebook_reused": bool(reused),
         "layer_type": str(t.layer_type),
         "prune_threshold": None if prune_threshold is None else float(prune_threshold),
-    }
+    }, w, out)
     return QuantizedTensor(out, tuple(float(c) for c in centres), stats)
+
+
+class _Stats(Mapping[str, Any]):
+    """A tensor's quantization statistics, with the error figures computed on first read.
+
+    The error statistics are a full float64 pass over the tensor; a search quantizes many
+    candidates whose statistics nobody reads, so they are computed only for the one that
+    is written (or whenever a caller asks)."""
+
+    _ERRORS = ("rel_l2_error", "max_abs_error")
+
+    def __init__(self, base: dict[str, Any], w: np.ndarray, out: np.ndarray) -> None:
+        self._data, self._w, self._out = base, w, out
+
+    def _fill(self) -> None:
+        if self._w is not None:
+            self._data["rel_l2_error"], self._data["max_abs_error"] = _error_stats(self._w, self._out)
+            self._w = self._out = None
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._ERRORS:
+            self._fill()
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self.items()) == (dict(other.items()) if isinstance(other, Mapping) else other)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
 
 
 def quantize_state(tensors: Mapping[str, TensorInput], config: QuantConfig,

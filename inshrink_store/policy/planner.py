@@ -46,11 +46,11 @@ class _LazyPlans(Mapping[str, ArrayPlan]):
         if path not in self._q.chosen:
             raise KeyError(path)
         q = self._q.quantize(path)
-        self._stats[path] = dict(q.stats)
+        self._stats[path] = q.stats  # error figures are computed when the plan is written
         dtype = self._dtypes[path]
         codec = NUQZarrCodec(codebook=q.codebook, tolerance=0.0, protected_dtype=self._protected,
                              dtype="bfloat16" if dtype == "BF16" else None)
-        return ArrayPlan(_narrow(q.values, dtype), codec, dict(q.stats))
+        return ArrayPlan(_narrow(q.values, dtype), codec, q.stats)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._q.names)
