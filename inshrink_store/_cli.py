@@ -274,12 +274,15 @@ def gc(
     url: str,
     keep_last: Annotated[int | None, typer.Option("--keep-last", min=1, help="Keep only the last N versions per branch (and tags).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be deleted.")] = False,
+    stale_after: Annotated[float, typer.Option(
+        "--stale-after", min=0,
+        help="Seconds after which a writer's lease counts as a dead process's (0: any writer lease).")] = 3600.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Delete what no kept version reaches. Do not run while another process commits."""
+    """Delete what no kept version reaches. Refuses (exit 1) while a commit is in progress."""
     repo = _open(url)
     with progress_bar("gc") as update:
-        report = repo.gc(keep_last=keep_last, dry_run=dry_run, progress=update)
+        report = repo.gc(keep_last=keep_last, dry_run=dry_run, progress=update, stale_after=stale_after)
     if as_json:
         _json(report.to_dict())
         return

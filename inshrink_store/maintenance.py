@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from inshrink_store import leases
 from inshrink_store.arrays import SnapshotReader
 from inshrink_store.cas import ObjectStore, object_path
 from inshrink_store.errors import InshrinkError, IntegrityError, NotFoundError
@@ -254,14 +256,29 @@ class GcReport:
 
 
 def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
-       progress: Progress | None = None) -> GcReport:
+       progress: Progress | None = None, stale_after: float = leases.STALE_AFTER) -> GcReport:
     """Delete unreachable snapshots, trees, objects and stale ref files.
 
-    Run it when no writer is committing: objects of an in-flight commit are
-    unreachable until its ref is created, and its temp files look like a crash's.
+    Safe beside writers: gc takes the gc lease and refuses (``ConflictError``, nothing
+    deleted) while any commit holds a writer lease, and commits refuse while gc holds
+    its lease (see leases.py). Leases older than ``stale_after`` seconds belong to dead
+    processes and are deleted. A dry run takes no lease and deletes nothing.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"Expected keep_last >= 1. Got {keep_last} instead.")
+    storage = repo.storage
+    if dry_run:
+        stale = [w for w in leases.writers(storage) if w.age() >= stale_after]
+        return _collect(repo, keep_last, stale, dry_run=True, progress=progress, stale_after=stale_after)
+    _, stale = leases.acquire_gc(storage, stale_after)
+    try:
+        return _collect(repo, keep_last, stale, dry_run=False, progress=progress, stale_after=stale_after)
+    finally:
+        leases.release(storage, leases.GC_LEASE)
+
+
+def _collect(repo: Any, keep_last: int | None, stale: list[leases.Lease], *, dry_run: bool,
+             progress: Progress | None, stale_after: float) -> GcReport:
     live = reachable(repo, keep_last, progress=None)
     keep_objects: set[str] = set()
     for oid in live.objects:
@@ -284,8 +301,9 @@ def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
             path = branch_ref_path(branch, seq)
             if storage.read(path).decode().strip() not in live.snapshots:
                 deleted["refs"].append(path)
-    temp = _temp_leftovers(storage)
+    temp = _temp_leftovers(storage, stale_after)
     deleted["temp"] = sorted(temp)
+    deleted["leases"] = sorted(lease.path for lease in stale)
     listing = {**listing, **temp}
     paths = [p for group in deleted.values() for p in group]
     freed = sum(listing.get(p, 0) for p in paths)
@@ -297,16 +315,24 @@ def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
     return GcReport(dry_run, len(live.snapshots), deleted, freed)
 
 
-def _temp_leftovers(storage: Any) -> dict[str, int]:
-    """Temp files of local atomic writes that a crash interrupted (``list`` hides them)."""
+def _temp_leftovers(storage: Any, stale_after: float) -> dict[str, int]:
+    """Temp files of local atomic writes that a crash interrupted (``list`` hides them).
+
+    Only those older than ``stale_after``: a younger one may be a write in progress (a
+    writer's lease is itself written through a temp file, before gc can see the lease)."""
     if not storage.is_local:
         return {}
     found = storage.fs.find(storage.root, detail=True)
+    now = time.time()
     out = {}
     for name, info in found.items():
         rel = storage._relative(name)
-        if rel is not None and ".tmp-" in rel:
-            out[rel] = int(info.get("size") or 0)
+        if rel is None or ".tmp-" not in rel:
+            continue
+        mtime = info.get("mtime")
+        if mtime is not None and now - float(mtime) < stale_after:
+            continue
+        out[rel] = int(info.get("size") or 0)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from inshrink_store import arrays as _arrays
-from inshrink_store import maintenance
+from inshrink_store import leases, maintenance
 from inshrink_store.cas import DEFAULT_KEYFRAME_INTERVAL, ObjectStore
 from inshrink_store.errors import ConflictError, FormatError, NotFoundError
 from inshrink_store.manifest import FORMAT_VERSION, Snapshot, canonical_json, utc_now
@@ -310,8 +310,11 @@ class Repository:
         ``quantize`` (e.g. a policy ``QuantConfig``) plans lossy storage per tensor.
         """
         tx = self.transaction(branch, parent=parent, inherit=False)
-        tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress)
-        return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase)
+        try:
+            tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress)
+            return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase)
+        finally:
+            tx.abort()  # no-op after a commit; after a failure, frees gc at once
 
     # -- maintenance (implemented in maintenance.py) --------------------------------------
     def diff(self, ref_a: str, ref_b: str, *, values: bool = False) -> maintenance.DiffReport:
@@ -323,10 +326,16 @@ class Repository:
         return maintenance.verify(self, progress=progress)
 
     def gc(
-        self, keep_last: int | None = None, *, dry_run: bool = False, progress: Progress | None = None
+        self, keep_last: int | None = None, *, dry_run: bool = False, progress: Progress | None = None,
+        stale_after: float = leases.STALE_AFTER,
     ) -> maintenance.GcReport:
-        """Delete what no kept version reaches (delta bases of kept objects are kept)."""
-        return maintenance.gc(self, keep_last=keep_last, dry_run=dry_run, progress=progress)
+        """Delete what no kept version reaches (delta bases of kept objects are kept).
+
+        Refuses with ``ConflictError`` while a commit is in progress; a writer lease older
+        than ``stale_after`` seconds is taken as a dead writer's (pass 0 after a crash you
+        know about)."""
+        return maintenance.gc(self, keep_last=keep_last, dry_run=dry_run, progress=progress,
+                              stale_after=stale_after)
 
     def du(self, ref: str = DEFAULT_BRANCH, prefix: str = "") -> list[maintenance.UsageRow]:
         """Per version, oldest first: logical bytes, new stored bytes, cumulative, ratio
@@ -353,10 +362,18 @@ class Transaction:
     parent_view: SnapshotChunks | None
     inherit: bool
     committed: SnapshotInfo | None = field(default=None, init=False)
+    #: this writer's lease (see leases.py): held from the first write until the commit
+    lease: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self.lease = leases.acquire_writer(self.repo.storage)
         self.view = PendingChunks(self.repo.objects, self.parent_view, inherit=self.inherit)
         self.store = InshrinkStore(self.view)
+
+    def abort(self) -> None:
+        """Give up this transaction: nothing is committed; what it wrote is left for gc."""
+        leases.release(self.repo.storage, self.lease)
+        self.lease = None
 
     def write(
         self,
@@ -412,6 +429,7 @@ class Transaction:
         else:
             raise ConflictError(f"Expected to commit to {self.branch!r}. Got 8 lost races instead.")
         self.committed = self.repo.snapshot(snap.id)
+        self.abort()  # committed: the lease is no longer needed
         return self.committed
 
 

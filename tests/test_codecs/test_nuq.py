@@ -29,7 +29,10 @@ def _bound(tolerance: float, protected: str, sample) -> float:
     rounding = biggest * 2.0**-8 if protected == "bfloat16" else 0.0
     if sample.dtype == "float16":
         rounding = max(rounding, biggest * 2.0**-10) + 6e-8
-    return (tolerance if math.isfinite(tolerance) else 0.0) + rounding + 1e-12
+    # the spec compares |x - c| <= tolerance in float32: float32(0.05) is above 0.05, and the
+    # float32 subtraction rounds too (half an ulp of the difference)
+    tol32 = float(np.float32(tolerance)) * (1 + 2.0**-23) if math.isfinite(tolerance) else 0.0
+    return max(tolerance if math.isfinite(tolerance) else 0.0, tol32) + rounding + 1e-12
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
