@@ -4,7 +4,7 @@ A format change makes this fail loudly: old stores must stay readable. Codecs ar
 found the way any reader finds them, through numcodecs' registry and the
 ``numcodecs.codecs`` entry points, never by importing our modules here; a codec id
 whose module does not import yet is skipped by name, one with no codec fails.
-Vector format: ``scripts/make_nuq_vectors.py``.
+Vector format: ``codecs/inshrink.nuq/make_vectors.py``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_vector_decodes_and_reencodes(folder):
 
 
 def test_nuq_vectors_script_reproduces_the_committed_vectors(tmp_path):
-    runpy.run_path(str(REPO / "scripts" / "make_nuq_vectors.py"), run_name="not_main")["main"](tmp_path)
+    runpy.run_path(str(REPO / "codecs" / "inshrink.nuq" / "make_vectors.py"), run_name="not_main")["main"](tmp_path)
     made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     committed = ROOT / "inshrink.nuq" / "vectors"
     assert {p.parts[2] for p in made} == {p.name for p in committed.iterdir() if p.is_dir()}

@@ -5,7 +5,7 @@ reproducible from seeded inputs. Each folder holds ``config.json`` (numcodecs co
 ``base.bin`` (base payload), ``input.npy`` (the current payload as a uint8 array) and
 ``encoded.bin``. A committed vector is never rewritten with different bytes: if the
 encoder's output changed, this script stops, because that is a format change (bump
-the format version and add new vectors instead). Run: ``python scripts/make_vdelta_vectors.py``.
+the format version and add new vectors instead). Run: ``python codecs/inshrink.vdelta/make_vectors.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import inshrink_store.codecs.vdelta  # noqa: F401  (registers the codec)
 from inshrink_store.codecs import _payload
 
-FOLDER = Path(__file__).resolve().parents[1] / "codecs" / "inshrink.vdelta" / "vectors"
+FOLDER = Path(__file__).resolve().parent / "vectors"
 
 
 def write(name: str, config: dict[str, object], current: bytes, base: bytes) -> str:

@@ -17,7 +17,7 @@ Vector format (shared by every codec id), one folder per vector::
                   from input (absent: decode gives input back bit-exact)
     base.bin      optional, delta codecs: decode(encoded, base=base), encode(input, base=base)
 
-Usage: ``python scripts/make_nuq_vectors.py [--root DIR]`` (default: the repo's codecs/).
+Usage: ``python codecs/inshrink.nuq/make_vectors.py [--root DIR]`` (default: the repo's codecs/).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 from inshrink_store.codecs import bf16
 from inshrink_store.codecs.nuq import NUQ
 
-ROOT = Path(__file__).resolve().parents[1] / "codecs"
+ROOT = Path(__file__).resolve().parents[1]  # codecs/
 CODEBOOK = [-0.5, -0.125, 0.0, 0.125, 0.5]
 
 
