@@ -7,8 +7,10 @@ torch lives in :mod:`inshrink_store.torch`, cupy, s3fs and gcsfs are optional.
 from inshrink_store.errors import (
     ConflictError,
     FormatError,
+    GcRunningError,
     InshrinkError,
     IntegrityError,
+    LeaseBrokenError,
     MissingDependencyError,
     NotFoundError,
 )
@@ -17,6 +19,7 @@ from inshrink_store.repository import Repository, SnapshotInfo, Transaction, ini
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConflictError", "FormatError", "InshrinkError", "IntegrityError", "MissingDependencyError",
+    "ConflictError", "FormatError", "GcRunningError", "InshrinkError", "IntegrityError",
+    "LeaseBrokenError", "MissingDependencyError",
     "NotFoundError", "Repository", "SnapshotInfo", "Transaction", "init", "open", "__version__",
 ]

@@ -3,6 +3,10 @@
 Exit codes: 0 ok, 1 a problem found (bad object, unknown ref, failed import), 2 usage
 error. ``--json`` prints machine-readable output; long work shows a progress bar on
 stderr. Errors print one clear line, never a traceback.
+
+Everything that comes from the user or the store (messages, tensor names, refs, metadata,
+URLs, error text) reaches rich as :class:`rich.text.Text`, never as a markup string, so
+``[/red]`` or ``:smile:`` in a commit message is printed as written.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 import inshrink_store as ins
-from inshrink_store.errors import InshrinkError
+from inshrink_store.errors import FormatError, InshrinkError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Versioned, compressed checkpoint stores. Every command takes a store URL "
     "(a path, file://, memory://, s3://, gs://).",
 )
+CONFIG_FILE = "inshrink.json"
+
+
 def _console(stderr: bool = False) -> Console:
     """A terminal gets its own width; a pipe or a log file gets a wide one, so tables are
     never squeezed into rich's default 80 columns and truncated with ellipses."""
@@ -42,6 +50,24 @@ out = _console()
 err = _console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+DeleteOpt = Annotated[bool, typer.Option("--delete", "-d", help="Delete NAME instead of creating it.")]
+
+
+def _text(value: Any) -> Text:
+    """A cell or a piece of a line that is printed literally: never parsed as markup or emoji."""
+    return value if isinstance(value, Text) else Text(str(value))
+
+
+def _row(table: Table, *cells: Any) -> None:
+    table.add_row(*(_text(c) for c in cells))
+
+
+def _say(console: Console, *parts: str | tuple[str, str]) -> None:
+    """Print one line assembled from literal strings and ``(text, style)`` pairs.
+
+    Nothing is parsed as markup and the line is never wrapped, so user text survives
+    intact (a log line is easy to grep)."""
+    console.print(Text.assemble(*parts), soft_wrap=True)
 
 
 @contextmanager
@@ -49,7 +75,8 @@ def progress_bar(label: str) -> Iterator[Callable[[str, int, int], None]]:
     """A rich progress bar on stderr, fed by the library's (item, done, total) callbacks."""
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[item]}"), console=err, transient=True, disable=not err.is_terminal,
+        TextColumn("{task.fields[item]}", markup=False), console=err, transient=True,
+        disable=not err.is_terminal,
     ) as bar:
         task = bar.add_task(label, total=None, item="")
 
@@ -77,15 +104,58 @@ def _json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
-def _open(url: str) -> ins.Repository:
-    return ins.open(url)
+def _local_path(url: str) -> Path | None:
+    """The directory a store URL names on this machine, or None for a remote or memory URL."""
+    if url.startswith("file://"):
+        return Path(url[len("file://"):])
+    return None if "://" in url else Path(url)
+
+
+def _require_room_for_store(url: str) -> None:
+    """Before creating a local store: the path and its parents must not be (under) a file."""
+    path = _local_path(url)
+    if path is None:
+        return
+    for p in (path, *path.parents):
+        if p.is_symlink() or p.exists():
+            if not p.is_dir():
+                raise FormatError(
+                    f"Expected a directory (or nothing yet) at {str(p)!r} to create the store "
+                    f"{url!r} in. Got a file there instead; pick another path for the store."
+                )
+            return
+
+
+@contextmanager
+def _reading_config(url: str) -> Iterator[None]:
+    """A damaged inshrink.json (bad JSON, bad UTF-8, not an object) becomes one clear error."""
+    try:
+        yield
+    except InshrinkError:
+        raise
+    except (ValueError, AttributeError, TypeError) as exc:
+        where = f"{url.rstrip('/')}/{CONFIG_FILE}"
+        raise FormatError(
+            f"Expected {where!r} to hold the store's settings as a JSON object. Got an unreadable "
+            f"file instead ({type(exc).__name__}: {exc}); restore it from a backup, or move the "
+            "store aside and create a new one with `inshrink init`."
+        ) from exc
+
+
+def _open(url: str, create: bool = False) -> ins.Repository:
+    if create:
+        _require_room_for_store(url)
+    with _reading_config(url):
+        return ins.open(url, create=create)
 
 
 @app.command()
 def init(url: str) -> None:
     """Create an empty store at URL."""
-    repo = ins.init(url)
-    out.print(f"initialised inshrink store at {repo.url}")
+    _require_room_for_store(url)
+    with _reading_config(url):
+        repo = ins.init(url)
+    _say(out, "initialised inshrink store at ", repo.url)
 
 
 @app.command("import")
@@ -104,7 +174,12 @@ def import_(
     """Import a checkpoint file as a new version; prints the snapshot id."""
     from inshrink_store.torch import import_file
 
-    repo = ins.open(url, create=create)
+    if file.is_dir():
+        raise FormatError(
+            f"Expected a checkpoint file (.safetensors, .pt or .pth). Got the directory {str(file)!r} "
+            "instead; name one file inside it."
+        )
+    repo = _open(url, create=create)
     quantize = None
     if bins is not None:
         from inshrink_store.policy import QuantConfig
@@ -113,7 +188,7 @@ def import_(
     with progress_bar("import") as update:
         info = import_file(repo, file, message=message or file.name, step=step, branch=branch,
                            quantize=quantize, progress=update)
-    out.print(info.id)
+    _say(out, info.id)
 
 
 @app.command()
@@ -130,16 +205,22 @@ def log(
         return
     table = Table("snapshot", "time", "step", "message", "metrics", "config", "search")
     for e in entries:
-        metrics = " ".join(f"{k}={v:.4g}" for k, v in e.metrics.items())
+        metrics = " ".join(f"{k}={_number(v)}" for k, v in e.metrics.items())
         quant = e.metadata.get("quantization")
         quant = quant if isinstance(quant, dict) else {}
-        config = quant.get("config") or {}
+        config = quant.get("config")
+        config = config if isinstance(config, dict) else {}
         cfg = " ".join(f"{k}={v}" for k, v in config.items() if k in ("bins", "prune", "prune_metric", "protect"))
         if quant and not config:
             cfg = "lossless (nothing within tolerance)" if quant.get("search") else "lossless"
-        table.add_row(e.id[:12], e.time[:19].replace("T", " "), str(e.step if e.step is not None else "-"),
-                      e.message, metrics, cfg, _search_summary(quant.get("search")))
+        _row(table, e.id[:12], e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
+             e.message, metrics, cfg, _search_summary(quant.get("search")))
     out.print(table)
+
+
+def _number(v: Any) -> str:
+    """A metric value: 4 significant digits when it is a number, as written otherwise."""
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
 def _search_summary(search: Any) -> str:
@@ -172,9 +253,9 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
     table = Table("tensor", "shape", "dtype", "logical", "stored", "storage", "levels", "pruned", "protected")
     for r in rows:
         pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
-        table.add_row(r["tensor"], "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),
-                      _size(r["stored_bytes"]), r["storage"], str(r["levels"] or "-"),
-                      pct(r["pruned_fraction"]), pct(r["protected_fraction"]))
+        _row(table, r["tensor"], "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),
+             _size(r["stored_bytes"]), r["storage"], r["levels"] or "-",
+             pct(r["pruned_fraction"]), pct(r["protected_fraction"]))
     out.print(table)
 
 
@@ -203,7 +284,7 @@ def show(url: str, ref: str, tensor: str, as_json: JsonOpt = False) -> None:
         _json(stats)
         return
     for key, value in stats.items():
-        out.print(f"[bold]{key:>18}[/bold]  {value}")
+        _say(out, (f"{key:>18}", "bold"), "  ", str(value))
 
 
 @app.command()
@@ -222,11 +303,11 @@ def diff(
         if t.status == "unchanged" and not values:
             continue
         fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
-        table.add_row(t.path, t.status, f"{t.chunks_changed}/{t.chunks_total}", _size(t.new_bytes),
-                      t.storage_b or "-", fmt(t.max_abs_change), fmt(t.rel_l2_change))
+        _row(table, t.path, t.status, f"{t.chunks_changed}/{t.chunks_total}", _size(t.new_bytes),
+             t.storage_b or "-", fmt(t.max_abs_change), fmt(t.rel_l2_change))
     out.print(table)
     counts = report.to_dict()["counts"]
-    out.print(" ".join(f"{k}: {v}" for k, v in counts.items()) + f"  new bytes: {_size(report.new_bytes)}")
+    _say(out, " ".join(f"{k}: {v}" for k, v in counts.items()) + f"  new bytes: {_size(report.new_bytes)}")
 
 
 @app.command()
@@ -237,17 +318,112 @@ def export(
     """Write a version's model tensors to a .safetensors file (bit-exact for lossless versions)."""
     from inshrink_store.torch import export_safetensors
 
+    if output.is_dir():
+        raise FormatError(
+            f"Expected a file path to export to. Got the directory {str(output)!r} instead; name a "
+            f"file, e.g. {str(output / 'model.safetensors')!r}."
+        )
+    parent = output.parent
+    if not parent.is_dir():
+        raise FormatError(
+            f"Expected the directory {str(parent)!r} to exist for the export. Got "
+            f"{'a file' if parent.exists() else 'no such directory'} instead; create it first "
+            "or pick another path."
+        )
     reader = _open(url).checkout(ref)
     with progress_bar("export") as update:
         count = export_safetensors(reader, output, include_all=all_tensors, progress=update)
-    out.print(f"wrote {count} tensors to {output}")
+    _say(out, f"wrote {count} tensors to ", str(output))
+
+
+def _check_name_mode(kind: str, name: str | None, ref: str | None, delete: bool) -> None:
+    if delete and name is None:
+        raise typer.BadParameter(f"Expected the {kind} NAME to delete. Got none instead; "
+                                 f"run `inshrink {kind} URL NAME --delete`.")
+    if delete and ref is not None:
+        raise typer.BadParameter(f"Expected no REF with --delete. Got {ref!r} instead; "
+                                 f"run `inshrink {kind} URL NAME --delete` alone.")
 
 
 @app.command()
-def tag(url: str, name: str, ref: Annotated[str, typer.Argument()] = "main") -> None:
-    """Name a version (tags are write-once)."""
-    sid = _open(url).tag(name, ref)
-    out.print(f"{name} -> {sid}")
+def tag(
+    url: str,
+    name: Annotated[str | None, typer.Argument(help="Tag to create or delete; none lists the tags.")] = None,
+    ref: Annotated[str | None, typer.Argument(help="Version to tag (default: main).")] = None,
+    delete: DeleteOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Name a version (tags are write-once), delete a tag with -d, or list tags (no NAME)."""
+    _check_name_mode("tag", name, ref, delete)
+    repo = _open(url)
+    if name is None:
+        tags = repo.tags()
+        if as_json:
+            _json([{"name": n, "snapshot": sid} for n, sid in sorted(tags.items())])
+            return
+        table = Table("tag", "snapshot")
+        for n, sid in sorted(tags.items()):
+            _row(table, n, sid)
+        out.print(table)
+        return
+    if delete:
+        sid = repo.delete_tag(name)
+        if as_json:
+            _json({"name": name, "snapshot": sid, "deleted": True})
+        else:
+            _say(out, "deleted tag ", name, f" (was -> {sid})")
+        return
+    sid = repo.tag(name, ref or "main")
+    if as_json:
+        _json({"name": name, "snapshot": sid, "deleted": False})
+    else:
+        _say(out, name, f" -> {sid}")
+
+
+@app.command()
+def branch(
+    url: str,
+    name: Annotated[str | None, typer.Argument(help="Branch to create or delete; none lists the branches.")] = None,
+    ref: Annotated[str | None, typer.Argument(help="Version the new branch starts at (default: main).")] = None,
+    delete: DeleteOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """List branches (no NAME), create NAME at REF, or delete NAME with -d."""
+    _check_name_mode("branch", name, ref, delete)
+    repo = _open(url)
+    if name is None:
+        rows = []
+        for n, head in sorted(repo.branches().items()):
+            row: dict[str, Any] = {"name": n, "head": head, "step": None, "time": None, "message": None}
+            try:
+                info = repo.snapshot(head)
+                row.update(step=info.step, time=info.time, message=info.message)
+            except (InshrinkError, OSError, ValueError) as exc:  # a dangling head: list it, say why
+                row["error"] = str(exc)
+            rows.append(row)
+        if as_json:
+            _json(rows)
+            return
+        table = Table("branch", "head", "step", "time", "message")
+        for r in rows:
+            missing = "error" in r
+            _row(table, r["name"], r["head"][:12], "-" if r["step"] is None else r["step"],
+                 "-" if missing else str(r["time"])[:19].replace("T", " "),
+                 "(head snapshot unreadable: run `inshrink verify`)" if missing else r["message"])
+        out.print(table)
+        return
+    if delete:
+        sid = repo.delete_branch(name)
+        if as_json:
+            _json({"name": name, "head": sid, "deleted": True})
+        else:
+            _say(out, "deleted branch ", name, f" (was at {sid})")
+        return
+    sid = repo.create_branch(name, ref or "main")
+    if as_json:
+        _json({"name": name, "head": sid, "deleted": False})
+    else:
+        _say(out, "branch ", name, f" -> {sid}")
 
 
 @app.command()
@@ -259,12 +435,14 @@ def verify(url: str, as_json: JsonOpt = False) -> None:
     if as_json:
         _json(report.to_dict())
     elif report.ok:
-        out.print(f"ok: {report.snapshots} versions, {report.trees} trees, {report.objects} objects "
+        _say(out, f"ok: {report.snapshots} versions, {report.trees} trees, {report.objects} objects "
                   f"({report.deltas} deltas) verified")
     else:
         for p in report.problems:
             users = ", ".join(f"{s[:12]}:{t}" for s, t in p.used_by[:10])
-            err.print(f"[red]BAD {p.kind} {p.id}[/red]: {p.error}" + (f"\n    used by {users}" if users else ""))
+            _say(err, (f"BAD {p.kind} {p.id}", "red"), ": ", str(p.error))
+            if users:
+                _say(err, "    used by ", users)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -279,16 +457,26 @@ def gc(
         help="Seconds after which a writer's lease counts as a dead process's (0: any writer lease).")] = 3600.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Delete what no kept version reaches. Refuses (exit 1) while a commit is in progress."""
+    """Delete what no kept version reaches. Refuses (exit 1) while a commit is in progress.
+
+    Refs that point at missing snapshots are reported as warnings (and as "dangling" in
+    --json), not collected: delete them with `inshrink tag URL NAME -d` or
+    `inshrink branch URL NAME -d`."""
     repo = _open(url)
     with progress_bar("gc") as update:
         report = repo.gc(keep_last=keep_last, dry_run=dry_run, progress=update, stale_after=stale_after)
+    dangling = [str(d) for d in (getattr(report, "dangling", None) or [])]
     if as_json:
-        _json(report.to_dict())
+        _json({**report.to_dict(), "dangling": dangling})
         return
+    for d in dangling:
+        _say(err, ("warning:", "yellow"), " ", d)
+    if dangling:
+        _say(err, ("warning:", "yellow"), f" {len(dangling)} ref(s) point at missing snapshots; delete them "
+             "with `inshrink tag URL NAME -d` or `inshrink branch URL NAME -d`")
     verb = "would delete" if dry_run else "deleted"
     counts = ", ".join(f"{len(v)} {k}" for k, v in report.deleted.items())
-    out.print(f"kept {report.kept_snapshots} versions; {verb} {counts}; {verb.split()[-1]} {_size(report.freed_bytes)}")
+    _say(out, f"kept {report.kept_snapshots} versions; {verb} {counts}; {verb.split()[-1]} {_size(report.freed_bytes)}")
 
 
 @app.command()
@@ -304,15 +492,17 @@ def du(
         return
     table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio", "overall")
     for r in rows:
-        table.add_row(r.snapshot[:12], str(r.step if r.step is not None else "-"), _size(r.logical_bytes),
-                      _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
-                      _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio))
+        _row(table, r.snapshot[:12], r.step if r.step is not None else "-", _size(r.logical_bytes),
+             _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
+             _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio))
     out.print(table)
 
 
 @app.command()
 def demo(
-    url: Annotated[str, typer.Argument(help="Where to create the demo store (replaced if it is a local path).")] = "./inshrink-demo",
+    url: Annotated[str, typer.Argument(
+        help="Where to create the demo store: a new path, an empty directory, or a previous demo store "
+        "(which is replaced). Any other existing path is refused.")] = "./inshrink-demo",
     steps: Annotated[int, typer.Option("--steps", min=1)] = 600,
     every: Annotated[int, typer.Option("--every", min=1, help="Checkpoint every N steps.")] = 50,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Accuracy drop allowed, relative.")] = 0.02,
@@ -323,9 +513,9 @@ def demo(
     from inshrink_store.torch.demo import run_demo
 
     def say(line: str) -> None:
-        err.print(f"[dim]{line}[/dim]")
+        _say(err, (line, "dim"))
 
-    say(f"training {steps} steps, checkpoint every {every} into {url} ...")
+    _require_room_for_store(url)
     result = run_demo(url, steps=steps, every=every, fail_at=fail_at, tolerance=tolerance, progress=say)
     if as_json:
         _json(dataclasses.asdict(result))
@@ -334,37 +524,76 @@ def demo(
                   "+optimizer", "state ratio", "accuracy")
     for r in result.rows:
         c = r["config"] or {}
-        table.add_row(str(r["step"]), str(c.get("bins", "lossless")),
-                      f"{c['prune']:.0%} {c['prune_metric'][:3]}" if c else "-",
-                      f"{c['protect']:.2%}" if c else "-", str(r["search"] or "-"), str(r["evaluations"]),
-                      _size(r["model_stored_bytes"]), _ratio(r["model_ratio"]),
-                      _size(r["stored_bytes"]), _ratio(r["ratio"]),
-                      "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}")
+        _row(table, r["step"], c.get("bins", "lossless"),
+             f"{c['prune']:.0%} {c['prune_metric'][:3]}" if c else "-",
+             f"{c['protect']:.2%}" if c else "-", r["search"] or "-", r["evaluations"],
+             _size(r["model_stored_bytes"]), _ratio(r["model_ratio"]),
+             _size(r["stored_bytes"]), _ratio(r["ratio"]),
+             "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}")
     out.print(table)
     weights = result.model_logical_bytes / max(result.model_stored_bytes, 1)
     total = result.logical_bytes / max(result.stored_bytes, 1)
-    out.print(f"model weights: {_size(result.model_stored_bytes)} stored for {_size(result.model_logical_bytes)}: "
-              f"[bold]{weights:.1f}x[/bold] smaller end to end")
-    out.print(f"whole training state (Adam moments kept lossless): {_size(result.stored_bytes)} for "
-              f"{_size(result.logical_bytes)}: [bold]{total:.1f}x[/bold]")
-    out.print(f"accuracy restored from the last compressed checkpoint: [bold]{result.restored_accuracy:.3f}[/bold] "
-              f"(uncompressed run: {result.reference_accuracy:.3f})")
+    _say(out, f"model weights: {_size(result.model_stored_bytes)} stored for {_size(result.model_logical_bytes)}: ",
+         (f"{weights:.1f}x", "bold"), " smaller end to end")
+    _say(out, f"whole training state (Adam moments kept lossless): {_size(result.stored_bytes)} for "
+              f"{_size(result.logical_bytes)}: ", (f"{total:.1f}x", "bold"))
+    _say(out, "accuracy restored from the last compressed checkpoint: ", (f"{result.restored_accuracy:.3f}", "bold"),
+         f" (uncompressed run: {result.reference_accuracy:.3f})")
     if result.resumed_from_step is not None:
-        out.print(f"resumed after a simulated failure from step {result.resumed_from_step}")
-    out.print(f"training {result.train_s:.1f}s, waiting on checkpoints {result.checkpoint_wait_s:.2f}s, "
+        _say(out, f"resumed after a simulated failure from step {result.resumed_from_step}")
+    _say(out, f"training {result.train_s:.1f}s, waiting on checkpoints {result.checkpoint_wait_s:.2f}s, "
               f"search in the background {result.search_s:.1f}s")
-    out.print(f"inspect it: inshrink log {url}  ·  inshrink du {url}")
+    _say(out, "inspect it: inshrink log ", url, "  ·  inshrink du ", url)
+
+
+def _error_line(exc: BaseException) -> str:
+    """One line for an error the user can act on: "Expected X. Got Y instead." plus the fix."""
+    if isinstance(exc, InshrinkError):
+        line = str(exc)
+    elif isinstance(exc, json.JSONDecodeError):
+        line = (f"Expected valid JSON in the store. Got malformed JSON instead ({exc.msg} at line {exc.lineno}, "
+                f"column {exc.colno}); the store may be damaged: run `inshrink verify` and restore "
+                "the file from a backup.")
+    elif isinstance(exc, UnicodeDecodeError):
+        line = (f"Expected UTF-8 text in the store. Got undecodable bytes instead ({exc.reason} at byte "
+                f"{exc.start}); the store may be damaged: run `inshrink verify` and restore the file "
+                "from a backup.")
+    elif isinstance(exc, OSError):
+        line = _os_error_line(exc)
+    else:
+        line = f"{type(exc).__name__}: {exc}"
+    return " ".join(line.split())
+
+
+def _os_error_line(exc: OSError) -> str:
+    target = exc.filename2 if exc.filename2 is not None else exc.filename
+    if target is None and len(exc.args) == 1:  # fsspec raises FileNotFoundError(path)
+        target = exc.args[0]
+    where = repr(str(target)) if target is not None else "the path"
+    if isinstance(exc, FileNotFoundError):
+        return f"Expected {where} to exist. Got no such file or directory instead; check the path."
+    if isinstance(exc, IsADirectoryError):
+        return f"Expected a file at {where}. Got a directory instead; give the path of a file."
+    if isinstance(exc, NotADirectoryError):
+        return (f"Expected {where} to be a directory or a new path. Got a file in the way instead; "
+                "pick another path.")
+    if isinstance(exc, PermissionError):
+        return (f"Expected permission to use {where}. Got permission denied instead; check its "
+                "permissions or pick another path.")
+    if isinstance(exc, FileExistsError):
+        return f"Expected nothing at {where}. Got an existing file instead; pick another path."
+    return (f"Expected {where} to be readable and writable. Got {exc.strerror or exc} instead; "
+            "check the path, free space and permissions.")
 
 
 def main() -> None:
-    """Entry point: library errors become one line on stderr and exit 1; usage errors exit 2."""
+    """Entry point: errors the user can act on become one line on stderr and exit 1 (store
+    errors, file system errors, unreadable JSON or text); usage errors exit 2. Anything else
+    is a bug and keeps its traceback."""
     try:
         app(standalone_mode=True)
-    except InshrinkError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(1)
-    except FileNotFoundError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+    except (InshrinkError, OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        _say(err, ("error:", "red"), " ", _error_line(exc))
         sys.exit(1)
 
 

@@ -29,6 +29,14 @@ class ConflictError(InshrinkError):
     """Another writer advanced the branch first; nothing was lost, retry or rebase."""
 
 
+class GcRunningError(ConflictError):
+    """A gc holds the store and did not finish within the wait; nothing was written, retry."""
+
+
+class LeaseBrokenError(ConflictError):
+    """A gc judged this writer dead before it published; nothing was published, retry."""
+
+
 class IntegrityError(InshrinkError):
     """Stored bytes fail their content hash or checksum, or a delta chain is broken."""
 

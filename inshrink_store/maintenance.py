@@ -19,7 +19,13 @@ import numpy as np
 from inshrink_store import leases
 from inshrink_store.arrays import SnapshotReader
 from inshrink_store.cas import ObjectStore, object_path
-from inshrink_store.errors import InshrinkError, IntegrityError, NotFoundError
+from inshrink_store.errors import (
+    ConflictError,
+    FormatError,
+    InshrinkError,
+    IntegrityError,
+    NotFoundError,
+)
 from inshrink_store.refs import branch_ref_path, parse_branch_listing
 from inshrink_store.zarr_store import SnapshotChunks, load_node, load_root, tree_path
 
@@ -116,18 +122,37 @@ class Reachable:
     snapshots: set[str] = field(default_factory=set)
     trees: set[str] = field(default_factory=set)
     objects: dict[str, set[tuple[str, str]]] = field(default_factory=dict)  # oid -> {(snap, tensor)}
+    #: refs whose snapshot is missing ("tag best -> 1f2e..."): reported, never fatal
+    dangling: list[str] = field(default_factory=list)
 
 
-def _snapshot_closure(repo: Any, keep_last: int | None) -> set[str]:
-    """Snapshots kept: every tag, and per branch the head's history (its last N if asked)."""
-    kept: set[str] = set(repo.tags().values())
-    for head in repo.branches().values():
-        _walk(repo, head, kept, keep_last)
+def _ref_targets(repo: Any, keep_last: int | None) -> dict[str, str]:
+    """Every ref gc must honour, as 'tag NAME' / 'branch NAME' / a ref file path -> snapshot id."""
+    targets = {f"tag {name}": sid for name, sid in repo.tags().items()}
+    targets.update({f"branch {name}": sid for name, sid in repo.branches().items()})
     if keep_last is None:  # old ref files also name versions (e.g. before a restore)
         for branch, seqs in parse_branch_listing(list(repo.storage.list("refs/branches"))).items():
             for seq in seqs:
-                sid = repo.storage.read(branch_ref_path(branch, seq)).decode().strip()
-                _walk(repo, sid, kept, None)
+                path = branch_ref_path(branch, seq)
+                with contextlib.suppress(FileNotFoundError):
+                    targets[path] = repo.read_ref(path)
+    return targets
+
+
+def _snapshot_closure(repo: Any, keep_last: int | None, dangling: list[str] | None = None) -> set[str]:
+    """Snapshots kept: every tag's, and per branch the head's history (its last N if asked);
+    without ``keep_last``, also the history of every older ref file of a branch.
+
+    A ref naming a missing snapshot is listed in ``dangling`` (when given) and skipped."""
+    kept: set[str] = set()
+    heads = {f"branch {name}" for name in repo.branches()}
+    for name, sid in _ref_targets(repo, keep_last).items():
+        if dangling is not None and not repo.storage.exists(f"snapshots/{sid}"):
+            if name in heads or name.startswith("tag ") or keep_last is None:
+                dangling.append(f"{name} -> {sid} (snapshot missing)")
+            continue
+        limit = keep_last if name in heads else (1 if name.startswith("tag ") else None)
+        _walk(repo, sid, kept, limit)
     return kept
 
 
@@ -155,7 +180,8 @@ def _walk(repo: Any, start: str, kept: set[str], limit: int | None) -> None:
 
 
 def reachable(repo: Any, keep_last: int | None = None, progress: Progress | None = None) -> Reachable:
-    out = Reachable(snapshots=_snapshot_closure(repo, keep_last))
+    dangling: list[str] = []
+    out = Reachable(snapshots=_snapshot_closure(repo, keep_last, dangling), dangling=dangling)
     for i, sid in enumerate(sorted(out.snapshots)):
         info = repo.snapshot(sid)
         out.trees.add(info.root)
@@ -249,36 +275,118 @@ class GcReport:
     kept_snapshots: int
     deleted: dict[str, list[str]]
     freed_bytes: int
+    #: refs naming a snapshot that does not exist: reported (see `inshrink verify`), never fatal
+    dangling: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "kept_snapshots": self.kept_snapshots,
-                "deleted": {k: len(v) for k, v in self.deleted.items()}, "freed_bytes": self.freed_bytes}
+                "deleted": {k: len(v) for k, v in self.deleted.items()}, "freed_bytes": self.freed_bytes,
+                "dangling": list(self.dangling)}
+
+
+class GarbageCollector:
+    """One gc run in explicit steps: ``start`` (lease), ``mark``, ``sweep``, ``finish``.
+
+    ``run()`` does them in order; the steps exist so tests can interleave a gc with
+    writers, tags and other gc runs at every point where it talks to the store.
+
+    Why a run never loses a version (docs/reference/format.md has the full argument):
+    the lease is taken before writer leases are read, reachability is computed only
+    after every writer is known to be finished or fenced off, and each delete happens
+    only while the lease is valid by this process's own clock. Deletion goes top-down
+    (ref files, snapshots, trees, then objects, deltas before their bases), so a gc cut
+    short never leaves an existing document whose parts are gone — which is what lets
+    a writer trust "this object exists" when it dedups.
+    """
+
+    def __init__(self, repo: Any, keep_last: int | None = None, *, stale_after: float = leases.STALE_AFTER,
+                 wait: float = 0.0, progress: Progress | None = None,
+                 on_wait: Callable[[str], None] | None = None, keep_alive: bool = True) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise FormatError(f"Expected keep_last to be an integer >= 1. Got {keep_last!r} instead.")
+        self.repo, self.keep_last, self.stale_after = repo, keep_last, stale_after
+        self.wait, self.progress, self.on_wait, self.keep_alive = wait, progress, on_wait, keep_alive
+        self.lease: leases.HeldLease | None = None
+        self.dead: list[leases.Lease] = []
+        self.report: GcReport | None = None
+        self._queue: list[str] = []
+        self._done = 0
+
+    def start(self) -> None:
+        self.lease, self.dead = leases.acquire_gc(
+            self.repo.storage, wait=self.wait, stale_after=self.stale_after, on_wait=self.on_wait)
+        if self.keep_alive:
+            self.lease.keep_alive()
+
+    def mark(self, *, dry_run: bool = False) -> GcReport:
+        """Decide what to delete (nothing is deleted here)."""
+        if not dry_run:
+            self._check_lease("marking")
+        self.report = _plan(self.repo, self.keep_last, self.dead, dry_run=dry_run, stale_after=self.stale_after)
+        self._queue = [p for group in ("refs", "snapshots", "trees", "objects", "temp", "leases")
+                       for p in self.report.deleted[group]]
+        return self.report
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete up to ``limit`` more paths (all by default); returns how many are left."""
+        storage = self.repo.storage
+        stop = len(self._queue) if limit is None else min(len(self._queue), self._done + limit)
+        while self._done < stop:
+            self._check_lease("deleting")
+            path = self._queue[self._done]
+            storage.delete(path)
+            self._done += 1
+            if self.progress:
+                self.progress(path, self._done, len(self._queue))
+        return len(self._queue) - self._done
+
+    def finish(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    def run(self, *, dry_run: bool = False) -> GcReport:
+        if dry_run:
+            return self.mark(dry_run=True)
+        self.start()
+        try:
+            report = self.mark()
+            self.sweep()
+            return report
+        finally:
+            self.finish()
+
+    def _check_lease(self, doing: str) -> None:
+        lease = self.lease
+        if lease is None:
+            raise ConflictError("Expected gc to hold its lease. Got none: call start() first.")
+        if not lease.keep_alive_running():
+            lease.renew()  # no keeper thread (tests): renew here, which refuses once lapsed
+        if not lease.valid():
+            raise ConflictError(
+                f"Expected gc's lease {lease.path} on {self.repo.url!r} to be valid while {doing}. "
+                "Got it lapsed (not renewed in time) or broken by a writer that judged this gc "
+                "dead instead; gc stopped. What it deleted so far was unreachable garbage; run "
+                "gc again."
+            )
 
 
 def gc(repo: Any, keep_last: int | None = None, *, dry_run: bool = False,
-       progress: Progress | None = None, stale_after: float = leases.STALE_AFTER) -> GcReport:
-    """Delete unreachable snapshots, trees, objects and stale ref files.
+       progress: Progress | None = None, stale_after: float = leases.STALE_AFTER,
+       wait: float = 0.0, on_wait: Callable[[str], None] | None = None) -> GcReport:
+    """Delete unreachable snapshots, trees, objects, stale ref files and dead leases.
 
-    Safe beside writers: gc takes the gc lease and refuses (``ConflictError``, nothing
-    deleted) while any commit holds a writer lease, and commits refuse while gc holds
-    its lease (see leases.py). Leases older than ``stale_after`` seconds belong to dead
-    processes and are deleted. A dry run takes no lease and deletes nothing.
+    Safe beside any number of writers, tag/branch creations and other gc runs (see
+    :class:`GarbageCollector`). Refuses with ``ConflictError`` (nothing deleted) while a
+    commit is in progress or another gc runs, after waiting up to ``wait`` seconds. A
+    writer lease unrenewed for ``stale_after`` seconds (or whose process is gone) is
+    fenced off: that writer can no longer publish. A dry run takes no lease.
     """
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"Expected keep_last >= 1. Got {keep_last} instead.")
-    storage = repo.storage
-    if dry_run:
-        stale = [w for w in leases.writers(storage) if w.age() >= stale_after]
-        return _collect(repo, keep_last, stale, dry_run=True, progress=progress, stale_after=stale_after)
-    _, stale = leases.acquire_gc(storage, stale_after)
-    try:
-        return _collect(repo, keep_last, stale, dry_run=False, progress=progress, stale_after=stale_after)
-    finally:
-        leases.release(storage, leases.GC_LEASE)
+    return GarbageCollector(repo, keep_last, stale_after=stale_after, wait=wait, progress=progress,
+                            on_wait=on_wait).run(dry_run=dry_run)
 
 
-def _collect(repo: Any, keep_last: int | None, stale: list[leases.Lease], *, dry_run: bool,
-             progress: Progress | None, stale_after: float) -> GcReport:
+def _plan(repo: Any, keep_last: int | None, dead: list[leases.Lease], *, dry_run: bool,
+          stale_after: float) -> GcReport:
     live = reachable(repo, keep_last, progress=None)
     keep_objects: set[str] = set()
     for oid in live.objects:
@@ -288,31 +396,46 @@ def _collect(repo: Any, keep_last: int | None, stale: list[leases.Lease], *, dry
             keep_objects.add(oid)
     storage = repo.storage
     listing = storage.list("")
-    deleted: dict[str, list[str]] = {"snapshots": [], "trees": [], "objects": [], "refs": []}
+    deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "objects": []}
+    garbage_objects: list[str] = []
     for path in listing:
         kind, _, rest = path.partition("/")
         ident = rest.replace("/", "")
-        if (kind == "snapshots" and rest not in live.snapshots) or (
-            kind == "trees" and ident not in live.trees) or (
-            kind == "objects" and ident not in keep_objects):
-            deleted[kind].append(path)
+        if kind == "snapshots" and rest not in live.snapshots:
+            deleted["snapshots"].append(path)
+        elif kind == "trees" and ident not in live.trees:
+            deleted["trees"].append(path)
+        elif kind == "objects" and ident not in keep_objects:
+            garbage_objects.append(ident)
+    deleted["objects"] = [object_path(oid) for oid in _deltas_first(repo, garbage_objects)]
     for branch, seqs in parse_branch_listing([p for p in listing if p.startswith("refs/branches/")]).items():
         for seq in seqs[:-1]:  # the highest seq stays: it is the branch head and the commit counter
             path = branch_ref_path(branch, seq)
-            if storage.read(path).decode().strip() not in live.snapshots:
+            try:
+                target = repo.read_ref(path)
+            except (FileNotFoundError, InshrinkError):
+                continue  # a malformed old ref file is verify's to report, not gc's to guess
+            if target not in live.snapshots:
                 deleted["refs"].append(path)
     temp = _temp_leftovers(storage, stale_after)
     deleted["temp"] = sorted(temp)
-    deleted["leases"] = sorted(lease.path for lease in stale)
+    if dry_run:
+        dead = [w for w in leases.writers(storage) if w.process_gone() or w.wall_age() >= stale_after]
+    deleted["leases"] = leases.leftovers(storage, dead)
     listing = {**listing, **temp}
-    paths = [p for group in deleted.values() for p in group]
-    freed = sum(listing.get(p, 0) for p in paths)
-    if not dry_run:
-        for i, path in enumerate(paths):
-            storage.delete(path)
-            if progress:
-                progress(path, i + 1, len(paths))
-    return GcReport(dry_run, len(live.snapshots), deleted, freed)
+    freed = sum(listing.get(p, 0) for group in deleted.values() for p in group)
+    return GcReport(dry_run, len(live.snapshots), deleted, freed, live.dangling)
+
+
+def _deltas_first(repo: Any, oids: list[str]) -> list[str]:
+    """Garbage objects deepest delta first, so a gc cut short never strands a delta without
+    its base (a writer that dedups against an existing object must be able to read it)."""
+    def depth(oid: str) -> int:
+        try:
+            return int(repo.objects.header(oid).depth)
+        except InshrinkError:
+            return 1 << 30  # unreadable: delete it first, nothing can use it
+    return sorted(oids, key=lambda oid: (-depth(oid), oid))
 
 
 def _temp_leftovers(storage: Any, stale_after: float) -> dict[str, int]:

@@ -8,8 +8,10 @@ lost. Reading resolves a ref to a snapshot and serves it as a plain zarr store.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,8 +20,15 @@ import numpy as np
 from inshrink_store import arrays as _arrays
 from inshrink_store import leases, maintenance
 from inshrink_store.cas import DEFAULT_KEYFRAME_INTERVAL, ObjectStore
-from inshrink_store.errors import ConflictError, FormatError, NotFoundError
-from inshrink_store.manifest import FORMAT_VERSION, Snapshot, canonical_json, utc_now
+from inshrink_store.errors import ConflictError, FormatError, IntegrityError, NotFoundError
+from inshrink_store.manifest import (
+    FORMAT_VERSION,
+    RootTree,
+    Snapshot,
+    canonical_json,
+    check_commit_fields,
+    utc_now,
+)
 from inshrink_store.refs import (
     branch_ref_path,
     check_name,
@@ -37,6 +46,10 @@ from inshrink_store.zarr_store import (
 
 CONFIG_FILE = "inshrink.json"
 DEFAULT_BRANCH = "main"
+#: how long a commit waits for a running gc before GcRunningError (a dead gc is recognised
+#: after leases.EXPIRY seconds without renewal, or at once on its own machine)
+GC_WAIT = 60.0
+_ID = re.compile(r"[0-9a-f]{32}")
 Progress = Callable[[str, int, int], None]
 
 
@@ -142,41 +155,108 @@ class Repository:
     def _branch_seqs(self) -> dict[str, list[int]]:
         return parse_branch_listing(list(self.storage.list("refs/branches")))
 
-    def _read_ref(self, path: str) -> str:
-        return self.storage.read(path).decode().strip()
+    def read_ref(self, path: str) -> str:
+        """The snapshot id in a ref file, checked to be an id (never a path to follow)."""
+        raw = self.storage.read(path)
+        try:
+            text = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            text = ""
+        if not _ID.fullmatch(text):
+            raise IntegrityError(
+                f"Expected ref file {path} in {self.url!r} to hold a 32-hex-digit snapshot id. "
+                f"Got {len(raw)} bytes that are not one instead: the ref is corrupt. Run `inshrink verify`."
+            )
+        return text
+
 
     def _head(self, branch: str) -> tuple[int, str] | None:
         seqs = self._branch_seqs().get(branch)
         if not seqs:
             return None
-        return seqs[-1], self._read_ref(branch_ref_path(branch, seqs[-1]))
+        return seqs[-1], self.read_ref(branch_ref_path(branch, seqs[-1]))
 
     def branches(self) -> dict[str, str]:
         """Branch name -> head snapshot id."""
-        return {b: self._read_ref(branch_ref_path(b, s[-1])) for b, s in self._branch_seqs().items()}
+        return {b: self.read_ref(branch_ref_path(b, s[-1])) for b, s in self._branch_seqs().items()}
 
     def tags(self) -> dict[str, str]:
-        return {p.split("/", 2)[2]: self._read_ref(p) for p in self.storage.list("refs/tags")}
+        return {p.split("/", 2)[2]: self.read_ref(p) for p in self.storage.list("refs/tags")}
 
-    def tag(self, name: str, ref: str = DEFAULT_BRANCH) -> str:
-        """Create a write-once tag; an existing tag is a :class:`ConflictError`."""
+    def tag(self, name: str, ref: str = DEFAULT_BRANCH, *, gc_wait: float = GC_WAIT) -> str:
+        """Create a write-once tag; an existing tag is a :class:`ConflictError`.
+
+        A new ref makes a version reachable, so it is published like a commit: under a
+        writer lease, after checking the snapshot still exists, through the fence."""
         check_name(name, "tag")
-        snapshot_id = self.resolve(ref)
-        try:
-            self.storage.create_exclusive(tag_path(name), snapshot_id.encode())
-        except FileExistsError:
-            raise ConflictError(
-                f"Expected tag {name!r} not to exist. Got an existing tag instead "
-                f"(-> {self._read_ref(tag_path(name))}); tags are write-once, pick another name."
-            ) from None
+        with self._ref_lease(gc_wait) as lease:
+            snapshot_id = self._existing(self.resolve(ref), ref)
+            leases.fence_for_commit(self.storage, lease)
+            try:
+                self.storage.create_exclusive(tag_path(name), snapshot_id.encode())
+            except FileExistsError:
+                raise ConflictError(
+                    f"Expected tag {name!r} not to exist. Got an existing tag instead "
+                    f"(-> {self.read_ref(tag_path(name))}); tags are write-once: delete it first "
+                    "(`inshrink tag -d`) or pick another name."
+                ) from None
         return snapshot_id
 
-    def create_branch(self, name: str, ref: str = DEFAULT_BRANCH) -> str:
+    def create_branch(self, name: str, ref: str = DEFAULT_BRANCH, *, gc_wait: float = GC_WAIT) -> str:
+        """A new branch whose head is ``ref`` (published like a commit, see :meth:`tag`)."""
         check_name(name, "branch")
-        snapshot_id = self.resolve(ref)
-        if name in self._branch_seqs():
-            raise ConflictError(f"Expected branch {name!r} not to exist. Got an existing branch instead.")
-        self._advance(name, 0, snapshot_id)
+        with self._ref_lease(gc_wait) as lease:
+            snapshot_id = self._existing(self.resolve(ref), ref)
+            if name in self._branch_seqs():
+                raise ConflictError(f"Expected branch {name!r} not to exist. Got an existing branch instead.")
+            leases.fence_for_commit(self.storage, lease)
+            self._advance(name, 0, snapshot_id)
+        return snapshot_id
+
+    def delete_tag(self, name: str) -> str:
+        """Remove a tag; returns the snapshot id it named (its data goes at the next gc if
+        nothing else keeps it)."""
+        check_name(name, "tag")
+        try:
+            snapshot_id = self.read_ref(tag_path(name))
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"Expected tag {name!r} in {self.url!r}. Got no such tag instead "
+                f"(tags: {', '.join(sorted(self.tags())) or 'none'})."
+            ) from None
+        self.storage.delete(tag_path(name))
+        return snapshot_id
+
+    def delete_branch(self, name: str) -> str:
+        """Remove a branch (every ref file, oldest first so the head stays readable until the
+        end); returns its head id. Its versions go at the next gc unless a ref keeps them."""
+        check_name(name, "branch")
+        seqs = self._branch_seqs().get(name)
+        if not seqs:
+            raise NotFoundError(
+                f"Expected branch {name!r} in {self.url!r}. Got no such branch instead "
+                f"(branches: {', '.join(sorted(self._branch_seqs())) or 'none'})."
+            )
+        head = self.read_ref(branch_ref_path(name, seqs[-1]))
+        for seq in seqs:
+            self.storage.delete(branch_ref_path(name, seq))
+        return head
+
+    @contextlib.contextmanager
+    def _ref_lease(self, gc_wait: float) -> Iterator[leases.HeldLease]:
+        lease = leases.acquire_writer(self.storage, wait=gc_wait)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    def _existing(self, snapshot_id: str, ref: str) -> str:
+        """``snapshot_id`` if its snapshot exists now (checked under a lease: gc can't race it)."""
+        if not self.storage.exists(snapshot_path(snapshot_id)):
+            raise NotFoundError(
+                f"Expected {ref!r} to name a snapshot in {self.url!r}. Got {snapshot_id}, which "
+                "does not exist instead (removed by gc?); nothing was written."
+            )
         return snapshot_id
 
     def _advance(self, branch: str, seq: int, snapshot_id: str) -> None:
@@ -213,7 +293,7 @@ class Repository:
         if head is not None:
             return head[1]
         if _maybe_name(base) and self.storage.exists(tag_path(base)):
-            return self._read_ref(tag_path(base))
+            return self.read_ref(tag_path(base))
         if all(c in "0123456789abcdef" for c in base) and len(base) >= 4:
             if len(base) == 32 and self.storage.exists(snapshot_path(base)):
                 return base
@@ -276,17 +356,29 @@ class Repository:
 
     # -- writing ---------------------------------------------------------------------
     def transaction(
-        self, branch: str = DEFAULT_BRANCH, *, parent: str | None = None, inherit: bool = True
+        self, branch: str = DEFAULT_BRANCH, *, parent: str | None = None, inherit: bool = True,
+        gc_wait: float = GC_WAIT, on_wait: Callable[[str], None] | None = None,
     ) -> Transaction:
         """One write session. ``parent`` (a ref) defaults to the branch head; ``inherit=False``
-        starts empty (a full new state) while still delta-coding against the parent."""
+        starts empty (a full new state) while still delta-coding against the parent.
+
+        The writer lease is taken *first*, so everything read after it (head, parent, the
+        objects it dedups against) cannot be collected by a gc before the commit; a running
+        gc is waited for up to ``gc_wait`` seconds (``on_wait`` hears about it)."""
         check_name(branch, "branch")
-        head = self._head(branch)
-        parent_id = self.resolve(parent) if parent is not None else (head[1] if head else None)
-        view = None
-        if parent_id is not None:
-            view = SnapshotChunks(self.objects, self.snapshot(parent_id).root, parent_id)
-        return Transaction(self, branch, head[0] if head else -1, parent_id, view, inherit)
+        lease = leases.acquire_writer(self.storage, wait=gc_wait, on_wait=on_wait)
+        try:
+            head = self._head(branch)
+            parent_id = self.resolve(parent) if parent is not None else (head[1] if head else None)
+            view = None
+            if parent_id is not None:
+                view = SnapshotChunks(self.objects, self.snapshot(parent_id).root, parent_id)
+            tx = Transaction(self, branch, head[0] if head else -1, parent_id, view, inherit)
+        except BaseException:
+            lease.release()
+            raise
+        tx.lease = lease.keep_alive()
+        return tx
 
     def save(
         self,
@@ -303,13 +395,18 @@ class Repository:
         parent: str | None = None,
         rebase: bool = False,
         progress: Progress | None = None,
+        gc_wait: float = GC_WAIT,
+        on_wait: Callable[[str], None] | None = None,
     ) -> SnapshotInfo:
         """Commit ``tensors`` (array path -> array) as the next version of ``branch``.
 
         ``dtypes`` names logical dtypes the array cannot carry (``"BF16"`` for uint16 bits);
         ``quantize`` (e.g. a policy ``QuantConfig``) plans lossy storage per tensor.
+        Message, step, metrics and metadata are checked before anything is written; a running
+        gc is waited for up to ``gc_wait`` seconds.
         """
-        tx = self.transaction(branch, parent=parent, inherit=False)
+        message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
+        tx = self.transaction(branch, parent=parent, inherit=False, gc_wait=gc_wait, on_wait=on_wait)
         try:
             tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress)
             return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase)
@@ -327,15 +424,18 @@ class Repository:
 
     def gc(
         self, keep_last: int | None = None, *, dry_run: bool = False, progress: Progress | None = None,
-        stale_after: float = leases.STALE_AFTER,
+        stale_after: float = leases.STALE_AFTER, wait: float = 0.0,
+        on_wait: Callable[[str], None] | None = None,
     ) -> maintenance.GcReport:
         """Delete what no kept version reaches (delta bases of kept objects are kept).
 
-        Refuses with ``ConflictError`` while a commit is in progress; a writer lease older
-        than ``stale_after`` seconds is taken as a dead writer's (pass 0 after a crash you
-        know about)."""
+        Safe beside any number of writers and gc runs. Refuses with ``ConflictError``
+        (nothing deleted) while a commit is in progress, after waiting up to ``wait``
+        seconds; a writer whose process is gone, or whose lease went unrenewed for
+        ``stale_after`` seconds, is fenced off (it can no longer publish) and ignored.
+        Refs naming missing snapshots are reported in ``GcReport.dangling``."""
         return maintenance.gc(self, keep_last=keep_last, dry_run=dry_run, progress=progress,
-                              stale_after=stale_after)
+                              stale_after=stale_after, wait=wait, on_wait=on_wait)
 
     def du(self, ref: str = DEFAULT_BRANCH, prefix: str = "") -> list[maintenance.UsageRow]:
         """Per version, oldest first: logical bytes, new stored bytes, cumulative, ratio
@@ -362,17 +462,17 @@ class Transaction:
     parent_view: SnapshotChunks | None
     inherit: bool
     committed: SnapshotInfo | None = field(default=None, init=False)
-    #: this writer's lease (see leases.py): held from the first write until the commit
-    lease: str | None = field(default=None, init=False)
+    #: this writer's lease (see leases.py): held from before the head is read until the commit
+    lease: leases.HeldLease | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.lease = leases.acquire_writer(self.repo.storage)
         self.view = PendingChunks(self.repo.objects, self.parent_view, inherit=self.inherit)
         self.store = InshrinkStore(self.view)
 
     def abort(self) -> None:
         """Give up this transaction: nothing is committed; what it wrote is left for gc."""
-        leases.release(self.repo.storage, self.lease)
+        if self.lease is not None:
+            self.lease.release()
         self.lease = None
 
     def write(
@@ -400,6 +500,9 @@ class Transaction:
     ) -> SnapshotInfo:
         if self.committed is not None:
             raise ConflictError("Expected an open transaction. Got one already committed instead.")
+        if self.lease is None:
+            raise ConflictError("Expected an open transaction. Got one already aborted instead.")
+        message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
         storage = self.repo.storage
         root, trees = self.view.build_trees()
         for tree_id, tree in trees.items():
@@ -407,13 +510,10 @@ class Transaction:
             if not storage.exists(path):
                 storage.write(path, tree.to_bytes())
         storage.write(tree_path(root.id), root.to_bytes())
-        snap = Snapshot(
-            root=root.id, parent=self.parent, time=utc_now(), message=message,
-            step=None if step is None else int(step),
-            metrics={k: float(v) for k, v in (metrics or {}).items()},
-            metadata=dict(metadata or {}),
-        )
+        snap = Snapshot(root=root.id, parent=self.parent, time=utc_now(), message=message,
+                        step=step, metrics=metrics, metadata=metadata)
         seq = self.head_seq + 1
+        leases.fence_for_commit(storage, self.lease)  # a gc that judged us dead wins: publish nothing
         for _ in range(8):
             storage.write(snapshot_path(snap.id), snap.to_bytes())
             try:
@@ -425,12 +525,46 @@ class Transaction:
                 head = self.repo._head(self.branch)
                 assert head is not None
                 seq = head[0] + 1
-                snap = Snapshot(**{**snap.__dict__, "parent": head[1], "time": utc_now()})
+                root = self._rebased_root(head[1]) if self.inherit else root
+                snap = Snapshot(**{**snap.__dict__, "root": root.id, "parent": head[1], "time": utc_now()})
         else:
             raise ConflictError(f"Expected to commit to {self.branch!r}. Got 8 lost races instead.")
         self.committed = self.repo.snapshot(snap.id)
         self.abort()  # committed: the lease is no longer needed
         return self.committed
+
+    def _rebased_root(self, head_id: str) -> RootTree:
+        """This transaction's changes re-applied on ``head_id``, written; the new root tree.
+
+        A transaction that inherited its parent's tensors changed only some keys; moving
+        just its parent pointer would silently undo what the other writer committed. So the
+        keys this transaction added, changed or removed are replayed on the new head's keys,
+        and a key both sides changed is a :class:`ConflictError` (nothing published)."""
+        storage = self.repo.storage
+        base = self.parent_view.entries if self.parent_view is not None else {}
+        mine = self.view.entries
+        changed = {k: e for k, e in mine.items() if base.get(k) != e}
+        removed = set(base) - set(mine)
+        head_view = SnapshotChunks(self.repo.objects, self.repo.snapshot(head_id).root, head_id)
+        theirs = head_view.entries
+        clashes = sorted(k for k in set(changed) | removed if theirs.get(k) != base.get(k))
+        if clashes:
+            raise ConflictError(
+                f"Expected to rebase this transaction onto {self.branch!r}'s new head {head_id}. "
+                f"Got {len(clashes)} key(s) that the other writer changed too (first: "
+                f"{clashes[0]!r}) instead; nothing was published. Open a new transaction on the "
+                "new head and write again."
+            )
+        merged = PendingChunks(self.repo.objects, head_view, inherit=True)
+        for key in removed:
+            merged.entries.pop(key, None)
+        merged.entries.update(changed)
+        root, trees = merged.build_trees()
+        for tree_id, tree in trees.items():
+            if not storage.exists(tree_path(tree_id)):
+                storage.write(tree_path(tree_id), tree.to_bytes())
+        storage.write(tree_path(root.id), root.to_bytes())
+        return root
 
 
 __all__ = ["Repository", "SnapshotInfo", "Transaction", "init", "open"]

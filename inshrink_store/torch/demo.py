@@ -4,11 +4,16 @@ Trains an MLP on scikit-learn's bundled handwritten digits on the CPU, checkpoin
 ``every`` steps into a local store with the dynamic search, simulates a failure,
 resumes from the last compressed checkpoint, and reports per-version configuration,
 stored bytes, ratio and quality, then the final quality against an uncompressed run.
+
+A fresh demo only ever replaces an earlier demo store: the demo writes ``demo.json`` (its
+marker) beside the store's ``inshrink.json``, and a path is cleared only when it holds
+both, or nothing at all. Any other existing path (a folder of your files, a store of your
+own, a file) is refused with an error and left untouched.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +22,8 @@ from typing import Any
 import numpy as np
 
 import inshrink_store as ins
-from inshrink_store.errors import MissingDependencyError
+from inshrink_store.errors import FormatError, MissingDependencyError
+from inshrink_store.storage import Storage
 from inshrink_store.torch.checkpointer import Checkpointer
 from inshrink_store.torch.tensors import load_state, torch
 
@@ -110,11 +116,65 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
     return model, {**stats, "accuracy": _accuracy(model, xte, yte)}
 
 
+DEMO_MARKER = "demo.json"
+CONFIG_FILE = "inshrink.json"
+_MARKER_DOC = {"created_by": "inshrink demo",
+               "note": "Made by `inshrink demo`; running the demo again at this path replaces this store."}
+
+
+def write_demo_marker(repo: Any) -> None:
+    """Mark ``repo`` as a demo store, which a later demo at the same path may replace."""
+    repo.storage.write(DEMO_MARKER, (json.dumps(_MARKER_DOC, indent=2) + "\n").encode())
+
+
+def is_demo_store(storage: Storage) -> bool:
+    """The store's ``inshrink.json`` and a readable demo marker are both there."""
+    if not storage.exists(CONFIG_FILE) or not storage.exists(DEMO_MARKER):
+        return False
+    try:
+        doc = json.loads(storage.read(DEMO_MARKER))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("created_by") == _MARKER_DOC["created_by"]
+
+
+def prepare_demo_store(url: str) -> None:
+    """Make room for a fresh demo at ``url``: nothing there and an empty directory are fine,
+    a previous demo store is emptied, and anything else raises :class:`FormatError`."""
+    storage = Storage(url)
+    fs, root = storage.fs, storage.root
+    if not fs.exists(root):
+        return
+    if not fs.isdir(root):
+        raise FormatError(
+            f"Expected a new path, an empty directory or a previous demo store for the demo. Got the "
+            f"file {url!r} instead; pick another path, e.g. ./inshrink-demo."
+        )
+    entries = fs.ls(root, detail=False)
+    if not entries:
+        return
+    if not is_demo_store(storage):
+        kind = "an inshrink store that the demo did not make" if storage.exists(CONFIG_FILE) else "files in it"
+        raise FormatError(
+            f"Expected a new path, an empty directory or a previous demo store for the demo. Got "
+            f"{url!r} with {kind} instead; nothing was deleted: pick another path, e.g. ./inshrink-demo."
+        )
+    for entry in entries:  # empty the directory, keep it (it may be a mount point or a link)
+        fs.rm(entry, recursive=True)
+
+
 def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fail_at: int | None = 430,
              tolerance: float = 0.02, fresh: bool = True, progress: Callable[[str], None] | None = None) -> DemoResult:
-    if fresh and "://" not in url:
-        shutil.rmtree(url, ignore_errors=True)
+    """Train, checkpoint, fail, resume and report. ``fresh`` replaces a previous demo store at
+    ``url`` (never anything else: see :func:`prepare_demo_store`); without it the demo adds
+    versions to whatever store is there."""
+    if fresh:
+        prepare_demo_store(url)
     repo = ins.open(url, create=True)
+    if fresh:
+        write_demo_marker(repo)
+    if progress:
+        progress(f"training {steps} steps, checkpoint every {every} into {url} ...")
     _, reference = train(steps, None, None, None, tolerance)
     model, stats = train(steps, every, repo, fail_at, tolerance, progress)
     rows = []
