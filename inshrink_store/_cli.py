@@ -454,17 +454,23 @@ def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be deleted.")] = False,
     stale_after: Annotated[float, typer.Option(
         "--stale-after", min=0,
-        help="Seconds after which a writer's lease counts as a dead process's (0: any writer lease).")] = 3600.0,
+        help="A writer lease unrenewed this many seconds is a dead process's: gc fences that writer "
+             "off (it can no longer publish). Writers on this machine whose process is gone are "
+             "recognised at once.")] = 300.0,
+    wait: Annotated[float, typer.Option(
+        "--wait", min=0, help="Wait up to this many seconds for commits in progress to finish.")] = 0.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Delete what no kept version reaches. Refuses (exit 1) while a commit is in progress.
+    Safe beside any number of writers and gc runs; a gc cut short leaves only garbage.
 
     Refs that point at missing snapshots are reported as warnings (and as "dangling" in
     --json), not collected: delete them with `inshrink tag URL NAME -d` or
     `inshrink branch URL NAME -d`."""
     repo = _open(url)
     with progress_bar("gc") as update:
-        report = repo.gc(keep_last=keep_last, dry_run=dry_run, progress=update, stale_after=stale_after)
+        report = repo.gc(keep_last=keep_last, dry_run=dry_run, progress=update, stale_after=stale_after,
+                         wait=wait, on_wait=lambda message: _say(err, message))
     dangling = [str(d) for d in (getattr(report, "dangling", None) or [])]
     if as_json:
         _json({**report.to_dict(), "dangling": dangling})

@@ -4,18 +4,23 @@ An object's id is the xxh3-128 of its *logical* payload (the bytes Zarr wrote), 
 identical chunks in any tensor or version are stored once whether they are kept
 whole or as a delta. The stored form starts with a fixed header::
 
-    0   4  magic        b"ISO\\x01"
+    0   4  magic        b"ISO\\x02" (format 2; b"ISO\\x01", format 1, is still read)
     4   1  kind         0 = whole (keyframe), 1 = delta against ``base``
     5   1  coder        0 = none, 1 = zstd
     6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
     8   8  logical length
     16 16  base id      raw 16 bytes of the base's id, zeros when whole
-    32  8  body checksum  xxh3-64 of the stored body
+    32  8  checksum     xxh3-64 of header bytes 0..32 followed by the body
+                        (format 1: of the body only)
     40  .. body
 
-Every read checks the body checksum, resolves the chain (with loop and depth
-guards, never a hang) and checks the logical id, so corruption is an
-:class:`IntegrityError` naming the object, never silently wrong numbers.
+Every read checks the checksum, bounds every declared size by the object's real
+size before allocating (a raw keyframe's logical length is its body length; a
+zstd body can expand at most ``MAX_ZSTD_EXPANSION`` times and is decompressed in
+bounded steps that stop as soon as the output passes the declared length),
+resolves the chain (with loop and depth guards, never a hang) and checks the
+logical id, so corruption is an :class:`IntegrityError` naming the object, never
+silently wrong numbers or an unbounded allocation.
 """
 
 from __future__ import annotations
@@ -28,13 +33,19 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
+from inshrink_store.codecs import _payload, _zstd
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
-from inshrink_store.manifest import content_id
+from inshrink_store.manifest import check_id, content_id
 from inshrink_store.storage import Storage
 
-MAGIC = b"ISO\x01"
+MAGIC_V1 = b"ISO\x01"  # checksum over the body only; still read, never written
+MAGIC_V2 = b"ISO\x02"  # checksum over header bytes 0..32 and the body
+MAGIC = MAGIC_V2
+VERSIONS = {MAGIC_V1: 1, MAGIC_V2: 2}
+CHECKED_HEADER = 32  # format 2: header bytes covered by the checksum (all but the checksum)
+MAX_ZSTD_EXPANSION = _zstd.MAX_EXPANSION  # zstd's largest expansion, rounded up
 HEADER = struct.Struct("<4sBBHQ16sQ")
 HEADER_SIZE = HEADER.size  # 40
 KIND_WHOLE, KIND_DELTA = 0, 1
@@ -45,6 +56,8 @@ DEFAULT_KEYFRAME_INTERVAL = 8
 
 
 def object_path(oid: str) -> str:
+    """Where object ``oid`` lives; a malformed id (``../x``) is an IntegrityError, never a path."""
+    check_id(oid, "object", "an object reference")
     return f"objects/{oid[:2]}/{oid[2:]}"
 
 
@@ -56,30 +69,70 @@ class ObjectHeader:
     logical_length: int
     base: str | None
     checksum: int
+    version: int = 2
 
     @property
     def is_delta(self) -> bool:
         return self.kind == KIND_DELTA
 
 
-def parse_header(oid: str, data: bytes) -> ObjectHeader:
-    if len(data) < HEADER_SIZE or data[:4] != MAGIC:
+def parse_header(oid: str, data: bytes, stored_size: int | None = None) -> ObjectHeader:
+    """Parse and check the 40-byte header of object ``oid``.
+
+    With ``stored_size`` (the object's whole stored length) the declared logical length
+    is bounded by what the body can really hold, before anything is allocated:
+    a raw keyframe's logical length equals its body length, a zstd body expands at most
+    :data:`MAX_ZSTD_EXPANSION` times, and a delta rebuilds at most a payload header plus
+    two bytes per delta symbol. The checksum is not checked here (see :func:`_checked_body`).
+    """
+    if len(data) < HEADER_SIZE or bytes(data[:4]) not in VERSIONS:
         raise IntegrityError(
-            f"Expected object {oid} to start with the object magic {MAGIC!r}. "
-            f"Got {bytes(data[:4])!r} ({len(data)} bytes) instead: the object is corrupt."
+            f"Expected object {oid} to start with an object magic ({MAGIC_V2!r} or {MAGIC_V1!r}). "
+            f"Got {bytes(data[:4])!r} ({len(data)} bytes) instead: the object is corrupt. "
+            "Run `inshrink verify` to find what uses it."
         )
-    _, kind, coder, depth, length, base, checksum = HEADER.unpack_from(data, 0)
+    magic, kind, coder, depth, length, base, checksum = HEADER.unpack_from(data, 0)
     if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in (CODER_NONE, CODER_ZSTD):
-        raise IntegrityError(f"Expected a known kind and coder in object {oid}. Got {kind}, {coder}.")
-    # the checksum covers the body only, so the header must be self-consistent to be trusted
-    if (kind == KIND_WHOLE and (depth != 0 or any(base))) or (kind == KIND_DELTA and depth == 0):
+        raise IntegrityError(
+            f"Expected kind 0 or 1 and coder 0 or 1 in object {oid}. Got kind {kind}, coder "
+            f"{coder} instead: the object is corrupt. Run `inshrink verify` to find what uses it."
+        )
+    if (
+        (kind == KIND_WHOLE and (depth != 0 or any(base)))
+        or (kind == KIND_DELTA and not 1 <= depth <= MAX_CHAIN)
+    ):
         raise IntegrityError(
             f"Expected object {oid}'s header to be consistent (a keyframe has depth 0 and no "
-            f"base, a delta depth >= 1). Got kind {kind}, depth {depth} instead: the object is "
-            "corrupt. Run `inshrink verify` to find what uses it."
+            f"base, a delta depth 1..{MAX_CHAIN}). Got kind {kind}, depth {depth} instead: the "
+            "object is corrupt. Run `inshrink verify` to find what uses it."
         )
+    if stored_size is not None:
+        _check_length(oid, kind, coder, length, stored_size - HEADER_SIZE)
     base_id = base.hex() if kind == KIND_DELTA else None
-    return ObjectHeader(kind, coder, depth, length, base_id, checksum)
+    return ObjectHeader(kind, coder, depth, length, base_id, checksum, VERSIONS[bytes(magic)])
+
+
+def _max_logical(kind: int, coder: int, body_len: int) -> int:
+    """The largest logical payload a body of ``body_len`` bytes can decode to."""
+    if coder == CODER_ZSTD:
+        body_len *= MAX_ZSTD_EXPANSION
+    if kind == KIND_DELTA:  # vdelta: every zstd'd symbol (1 or 2 bytes) -> one id of <= 2 bytes
+        return _payload.HEADER_SIZE + 2 * MAX_ZSTD_EXPANSION * body_len
+    return body_len
+
+
+def _check_length(oid: str, kind: int, coder: int, length: int, body_len: int) -> None:
+    exact = kind == KIND_WHOLE and coder == CODER_NONE
+    if body_len < 0 or (length != body_len if exact else length > _max_logical(kind, coder, body_len)):
+        bound = f"equal to its body length {body_len}" if exact else (
+            f"at most {_max_logical(kind, coder, max(body_len, 0))} bytes for a "
+            f"{max(body_len, 0)}-byte {'zstd ' if coder == CODER_ZSTD else ''}"
+            f"{'delta' if kind == KIND_DELTA else 'keyframe'} body"
+        )
+        raise IntegrityError(
+            f"Expected object {oid} to declare a logical length {bound}. Got {length} instead: "
+            "the object is corrupt. Run `inshrink verify` to find what uses it."
+        )
 
 
 class _LRU:
@@ -186,8 +239,28 @@ class ObjectStore:
                 "the store is missing data. Run `inshrink verify`."
             ) from None
 
+    def stored_size(self, oid: str) -> int:
+        """Bytes ``oid`` takes on storage (no read); NotFoundError when it is missing."""
+        path = object_path(oid)
+        try:
+            return int(self.storage.fs.size(self.storage._full(path)))
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"Expected object {oid} at {path}. Got nothing there instead: "
+                "the store is missing data. Run `inshrink verify`."
+            ) from None
+
     def header(self, oid: str) -> ObjectHeader:
-        return parse_header(oid, self.read_stored(oid)[:HEADER_SIZE])
+        """The header of ``oid`` from a ranged read of its first 40 bytes (whole read as a
+        fallback). Structure only: the checksum and length bounds are checked by :meth:`get`."""
+        path = object_path(oid)
+        try:
+            data = self.storage.fs.cat_file(self.storage._full(path), start=0, end=HEADER_SIZE)
+        except FileNotFoundError:
+            data = self.read_stored(oid)  # raises the NotFoundError naming the object
+        except Exception:  # no ranged reads here, or a range past a truncated object (HTTP 416)
+            data = self.read_stored(oid)
+        return parse_header(oid, bytes(data[:HEADER_SIZE]))
 
     def get(self, oid: str) -> bytes:
         """The logical payload of ``oid``, chain resolved and every hash checked."""
@@ -210,7 +283,7 @@ class ObjectStore:
                 base_payload = cached
                 break
             stored = self._read_link(oid, current, chain)
-            header = parse_header(current, stored)
+            header = parse_header(current, stored, len(stored))
             if chain and chain[-1][1].depth != header.depth + 1:
                 raise IntegrityError(
                     f"Expected delta object {chain[-1][0]} (depth {chain[-1][1].depth}) to be one "
@@ -257,15 +330,30 @@ class ObjectStore:
         return out
 
 
-def _frame(kind: int, coder: int, depth: int, payload: bytes, base: str | None, body: bytes) -> bytes:
+def _frame(
+    kind: int, coder: int, depth: int, payload: bytes, base: str | None, body: bytes,
+    version: int = 2,
+) -> bytes:
+    """Header + body; ``version=1`` writes the old format (only tests need it)."""
     base_raw = bytes.fromhex(base) if base else bytes(16)
-    header = HEADER.pack(MAGIC, kind, coder, depth, len(payload), base_raw, xxhash.xxh3_64_intdigest(body))
-    return header + body
+    magic = MAGIC_V2 if version == 2 else MAGIC_V1
+    head = HEADER.pack(magic, kind, coder, depth, len(payload), base_raw, 0)[:CHECKED_HEADER]
+    checksum = _checksum(head if version == 2 else b"", body)
+    return head + struct.pack("<Q", checksum) + body
 
 
-def _checked_body(oid: str, header: ObjectHeader, stored: bytes) -> bytes:
-    body = stored[HEADER_SIZE:]
-    if xxhash.xxh3_64_intdigest(body) != header.checksum:
+def _checksum(head: bytes | memoryview, body: bytes | memoryview) -> int:
+    hasher = xxhash.xxh3_64()
+    hasher.update(head)
+    hasher.update(body)
+    return hasher.intdigest()
+
+
+def _checked_body(oid: str, header: ObjectHeader, stored: bytes) -> memoryview:
+    view = memoryview(stored)
+    body = view[HEADER_SIZE:]
+    head = view[:CHECKED_HEADER] if header.version == 2 else b""
+    if _checksum(head, body) != header.checksum:
         raise IntegrityError(
             f"Expected object {oid} to match its stored checksum. Got a mismatch instead: "
             "the object's bytes are corrupt. Run `inshrink verify` to find what uses it."
@@ -273,14 +361,32 @@ def _checked_body(oid: str, header: ObjectHeader, stored: bytes) -> bytes:
     return body
 
 
-def _decode_body(oid: str, header: ObjectHeader, body: bytes, base: bytes | None, delta: VDelta) -> bytes:
+def _bounded_zstd(oid: str, body: bytes | memoryview, limit: int) -> bytes:
+    """Decompress one zstd frame in steps, failing as soon as the output passes ``limit``."""
+    try:
+        return _zstd.decompress(body, limit, f"the body of object {oid}")
+    except FormatError as exc:
+        raise IntegrityError(
+            f"{exc} Object {oid} is corrupt. Run `inshrink verify` to find what uses it."
+        ) from None
+
+
+def _decode_body(
+    oid: str, header: ObjectHeader, body: bytes | memoryview, base: bytes | None, delta: VDelta
+) -> bytes:
     try:
         if header.coder == CODER_ZSTD:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=header.logical_length)
+            limit = (
+                len(body) * MAX_ZSTD_EXPANSION if header.is_delta else header.logical_length
+            )
+            body = _bounded_zstd(oid, body, limit)
         if header.is_delta:
             if base is None:
                 raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
             return bytes(delta.decode(body, base=base))
         return bytes(body)
     except (FormatError, zstandard.ZstdError) as exc:
-        raise IntegrityError(f"Expected object {oid} to decode. Got {exc} instead.") from exc
+        raise IntegrityError(
+            f"Expected object {oid} to decode. Got {exc} instead: the object is corrupt. "
+            "Run `inshrink verify` to find what uses it."
+        ) from exc

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import socket
@@ -77,6 +78,7 @@ class Clock:
 
 
 CLOCK: Clock = Clock()
+_SERIAL = itertools.count()  # orders tokens made in one microsecond by one process
 
 
 # -- who is running where --------------------------------------------------------------
@@ -286,7 +288,7 @@ class HeldLease:
 
 
 def _create(storage: Any, prefix: str, kind: str) -> HeldLease:
-    token = f"{int(CLOCK.wall() * 1e6):017d}-{uuid.uuid4().hex}"
+    token = f"{int(CLOCK.wall() * 1e6):017d}-{next(_SERIAL):08d}-{uuid.uuid4().hex}"
     held = HeldLease(storage, f"{prefix}/{token}", token, kind)
     storage.create_exclusive(held.path, _doc(token, kind, held.created, 0))
     return held
@@ -304,42 +306,43 @@ def acquire_writer(storage: Any, wait: float = 0.0, on_wait: Any = None) -> Held
 
     The writer lease is created *before* gc leases are read: a gc that starts later lists
     writers after creating its own lease, so it sees this one. A gc seen here is waited
-    for, up to ``wait`` seconds (polling; ``on_wait(message)`` is told once per gc); a gc
-    judged dead (its process gone, or no renewal while we watched for ``EXPIRY`` s) is
-    marked broken and ignored. Raises :class:`GcRunningError` after ``wait`` with this
-    lease released and nothing else written.
+    for, up to ``wait`` seconds (``on_wait(message)`` is told once per gc), *without*
+    holding the writer lease meanwhile: a waiting writer must not hold up the gc it waits
+    for. A gc judged dead (its process gone, or no renewal while we watched for
+    ``EXPIRY`` s) is marked broken and ignored. Raises :class:`GcRunningError` after
+    ``wait``, having written nothing that stays.
     """
-    held = _create(storage, WRITERS, "writer")
     watch = Watch()
     deadline = CLOCK.monotonic() + wait
     told: set[str] = set()
-    try:
-        while True:
+    while True:
+        held = _create(storage, WRITERS, "writer")
+        try:
             live = []
             for lease in gc_runs(storage):
                 if _gc_dead(storage, lease, watch):
                     storage.write(f"{BROKEN}/{lease.token}", b"judged dead by writer " + held.token.encode())
                 else:
                     live.append(lease)
-            if not live:
-                return held
-            if CLOCK.monotonic() >= deadline:
-                names = "; ".join(lease.describe() for lease in live)
-                raise GcRunningError(
-                    f"Expected no gc running on {storage.url!r} while committing. Got {names} "
-                    f"instead, still running after {wait:.0f} s of waiting; nothing was written. "
-                    f"Retry when it finishes (a gc that died is recognised after {EXPIRY:.0f} s "
-                    "without renewal, or at once on its own machine)."
-                )
-            for lease in live:
-                if on_wait is not None and lease.path not in told:
-                    on_wait(f"waiting for gc {lease.describe()} to finish before committing")
-                told.add(lease.path)
-            held.renew()
-            CLOCK.sleep(min(1.0, max(0.0, deadline - CLOCK.monotonic())))
-    except BaseException:
+        except BaseException:
+            held.release()
+            raise
+        if not live:
+            return held
         held.release()
-        raise
+        if CLOCK.monotonic() >= deadline:
+            names = "; ".join(lease.describe() for lease in live)
+            raise GcRunningError(
+                f"Expected no gc running on {storage.url!r} while committing. Got {names} "
+                f"instead, still running after {wait:.0f} s of waiting; nothing was written. "
+                f"Retry when it finishes (a gc that died is recognised after {EXPIRY:.0f} s "
+                "without renewal, or at once on its own machine)."
+            )
+        for lease in live:
+            if on_wait is not None and lease.path not in told:
+                on_wait(f"waiting for gc {lease.describe()} to finish before committing")
+            told.add(lease.path)
+        CLOCK.sleep(min(0.5, max(0.0, deadline - CLOCK.monotonic())))
 
 
 def fence_for_commit(storage: Any, held: HeldLease) -> None:
@@ -364,9 +367,10 @@ def acquire_gc(storage: Any, *, wait: float = 0.0, stale_after: float = STALE_AF
     Order matters: the gc lease is created *before* writer leases are listed (see
     ``acquire_writer``). Each writer lease then is either alive (wait up to ``wait`` s,
     then refuse), or judged dead and *broken through its fence*; a fence already holding
-    ``commit`` means the writer is publishing, so it counts as alive. Another live gc run
+    ``commit`` means the writer is publishing, so it counts as alive. An older live gc run
     also makes this one refuse (one at a time is what users expect, though two would be
-    safe). On refusal the gc lease is released and nothing was deleted.
+    safe: each deletes only what no ref reaches); the older one goes on. On refusal the
+    gc lease is released and nothing was deleted.
     """
     held = _create(storage, GC, "gc")
     watch = Watch()
@@ -379,7 +383,10 @@ def acquire_gc(storage: Any, *, wait: float = 0.0, stale_after: float = STALE_AF
             for other in gc_runs(storage):
                 if other.token == held.token:
                     continue
-                (dead if _gc_dead(storage, other, watch) else live).append(other)
+                if _gc_dead(storage, other, watch):
+                    dead.append(other)
+                elif other.token < held.token:  # the older run goes on, the younger yields
+                    live.append(other)
             if live:
                 names = "; ".join(lease.describe() for lease in live)
                 raise ConflictError(

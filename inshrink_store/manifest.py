@@ -11,15 +11,53 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
+import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import xxhash
 
-from inshrink_store.errors import FormatError, IntegrityError
+from inshrink_store.errors import FormatError, InshrinkError, IntegrityError
 
 FORMAT_VERSION = 1
+#: every snapshot, tree and object id: the xxh3-128 of the content, 32 lowercase hex digits
+ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+#: how a non-finite float is kept in strict JSON: {"$float": "nan" | "inf" | "-inf"}
+FLOAT_KEY = "$float"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: nesting limit for user metadata (checked on commit and on read; JSON parsers recurse)
+MAX_DEPTH = 64
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A short repr for error messages: a hostile document never floods (or leaks) a log."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_id(
+    value: Any, kind: str, where: str, error: type[InshrinkError] = IntegrityError
+) -> str:
+    """``value`` if it is a well-formed id (32 lowercase hex digits), else ``error``.
+
+    ``kind`` names what the id points to ("snapshot", "tree", "object") and ``where``
+    the document or file it was read from; every path built from an id goes through
+    here first, so a value such as ``../../x`` can never reach the filesystem.
+    """
+    if isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None:
+        return value
+    fix = (
+        "pass a full snapshot id, a branch or a tag"
+        if issubclass(error, FormatError)
+        else "the document is corrupt or was not written by inshrink-store; run `inshrink verify`"
+    )
+    raise error(
+        f"Expected the {kind} id in {where} to be 32 lowercase hex digits. "
+        f"Got {_show(value)} instead: {fix}."
+    )
 
 
 def canonical_json(doc: Any) -> bytes:
@@ -32,24 +70,84 @@ def content_id(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"the non-standard JSON constant {name}")
+
+
 def parse_document(data: bytes, kind: str, expected_id: str | None = None) -> dict[str, Any]:
-    """Parse a stored JSON document, checking its id and format version."""
+    """Parse a stored JSON document, checking its id and format version.
+
+    Anything that is not strict JSON holding an object (NaN literals, invalid UTF-8,
+    nesting deeper than the parser allows) is an :class:`IntegrityError` naming ``kind``
+    and id; a different ``format`` is a :class:`FormatError`.
+    """
+    name = _name(kind, expected_id)
     if expected_id is not None and content_id(data) != expected_id:
         raise IntegrityError(
-            f"Expected {kind} {expected_id} to hash to its id. Got {content_id(data)} instead: "
+            f"Expected {name} to hash to its id. Got {content_id(data)} instead: "
             "the stored document is corrupt. Run `inshrink verify`."
         )
     try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise IntegrityError(f"Expected {kind} {expected_id} to be JSON. Got {exc} instead.") from exc
-    version = doc.get("format") if isinstance(doc, dict) else None
-    if version != FORMAT_VERSION:
+        doc = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        reason = "nesting too deep to parse" if isinstance(exc, RecursionError) else str(exc)
+        raise IntegrityError(
+            f"Expected {name} to be a strict JSON document. Got {_show(reason, 160)} instead: "
+            "the stored document is corrupt. Run `inshrink verify`."
+        ) from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(
+            f"Expected {name} to be a JSON object. Got a {type(doc).__name__} instead: "
+            "the stored document is corrupt. Run `inshrink verify`."
+        )
+    version = doc.get("format")
+    if type(version) is not int or version != FORMAT_VERSION:
         raise FormatError(
-            f"Expected {kind} format version {FORMAT_VERSION}. Got {version!r} instead; "
+            f"Expected {name} format version {FORMAT_VERSION}. Got {_show(version)} instead; "
             "upgrade inshrink-store to read this store."
         )
     return doc
+
+
+def _name(kind: str, doc_id: str | None) -> str:
+    return f"{kind} {doc_id}" if doc_id is not None else f"{kind} (id unknown)"
+
+
+def _bad(name: str, what: str, got: Any) -> NoReturn:
+    raise IntegrityError(
+        f"Expected {what} in {name}. Got {_show(got)} instead: the stored document is "
+        "corrupt or was not written by inshrink-store. Run `inshrink verify`."
+    )
+
+
+def _check_fields(doc: dict[str, Any], name: str, required: set[str], optional: set[str]) -> None:
+    missing = sorted(required - doc.keys())
+    unknown = sorted(doc.keys() - required - optional)
+    if missing or unknown:
+        _bad(name, f"the fields {sorted(required)} (optionally {sorted(optional)})",
+             f"missing {missing}, unknown {unknown}")
+
+
+def check_key(key: Any, name: str, what: str, allow_root: bool = False) -> str:
+    """A '/'-separated relative key: no leading '/', no empty, '.' or '..' segments.
+
+    ``allow_root`` accepts ``""`` (the root node). IntegrityError naming ``name``.
+    """
+    if not isinstance(key, str) or (key == "" and not allow_root):
+        _bad(name, f"a {what} that is a non-empty string", key)
+    if key and any(part in ("", ".", "..") for part in key.split("/")):
+        _bad(name, f"a safe {what} (no leading '/', no empty, '.' or '..' segments)", key)
+    return key
+
+
+def _id_map(value: Any, name: str, what: str, allow_root: bool) -> dict[str, str]:
+    if not isinstance(value, dict):
+        _bad(name, f"an object of {what} -> id", value)
+    out = {}
+    for key, oid in value.items():
+        check_key(key, name, what, allow_root)
+        out[key] = check_id(oid, "tree" if allow_root else "object", f"{name} ({what} {key!r})")
+    return out
 
 
 @dataclass(frozen=True)
@@ -66,8 +164,14 @@ class NodeTree:
 
     @classmethod
     def from_bytes(cls, data: bytes, tree_id: str | None = None) -> NodeTree:
+        """Parse and validate: ``metadata`` text or null, ``chunks`` safe key -> object id."""
         doc = parse_document(data, "tree", tree_id)
-        return cls(metadata=doc["metadata"], chunks=doc["chunks"])
+        name = _name("tree", tree_id)
+        _check_fields(doc, name, {"format", "metadata", "chunks"}, set())
+        metadata = doc["metadata"]
+        if metadata is not None and not isinstance(metadata, str):
+            _bad(name, "metadata as zarr.json text or null", metadata)
+        return cls(metadata=metadata, chunks=_id_map(doc["chunks"], name, "chunk key", False))
 
     @property
     def id(self) -> str:
@@ -85,8 +189,11 @@ class RootTree:
 
     @classmethod
     def from_bytes(cls, data: bytes, tree_id: str | None = None) -> RootTree:
+        """Parse and validate: ``nodes`` safe node path ('' = root) -> tree id."""
         doc = parse_document(data, "root tree", tree_id)
-        return cls(nodes=doc["nodes"])
+        name = _name("root tree", tree_id)
+        _check_fields(doc, name, {"format", "nodes"}, set())
+        return cls(nodes=_id_map(doc["nodes"], name, "node path", True))
 
     @property
     def id(self) -> str:
@@ -97,9 +204,56 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
 
+# -- non-finite floats in strict JSON ----------------------------------------------------
+
+
+def _encode_floats(value: Any) -> Any:
+    """NaN and +-Inf -> {"$float": "nan" | "inf" | "-inf"}, recursively (strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {FLOAT_KEY: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, Mapping):
+        return {k: _encode_floats(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encode_floats(v) for v in value]
+    return value
+
+
+def _decode_floats(value: Any, name: str, where: str, depth: int = 0) -> Any:
+    """Inverse of :func:`_encode_floats` on a parsed document; depth-limited."""
+    if depth > MAX_DEPTH:
+        _bad(name, f"{where} nested at most {MAX_DEPTH} levels deep", "deeper nesting")
+    if isinstance(value, dict):
+        if len(value) == 1 and FLOAT_KEY in value:
+            text = value[FLOAT_KEY]
+            if not isinstance(text, str) or text not in _NONFINITE:
+                _bad(name, f'{where} {{"{FLOAT_KEY}": "nan" | "inf" | "-inf"}}', value)
+            return _NONFINITE[text]
+        return {k: _decode_floats(v, name, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v, name, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    return value
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | _np_bool())
+
+
+def _np_bool() -> type:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency; keep this module stdlib-safe
+        return bool
+    return np.bool_
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """One committed version. ``metadata`` is the caller's JSON (search trials, config, ...)."""
+    """One committed version. ``metadata`` is the caller's JSON (search trials, config, ...).
+
+    Non-finite floats in ``metrics`` and ``metadata`` are stored as
+    ``{"$float": "nan" | "inf" | "-inf"}`` (the files stay strict JSON) and read back
+    as floats; a caller's own object whose only key is ``"$float"`` is refused as reserved.
+    """
 
     root: str
     parent: str | None
@@ -118,24 +272,131 @@ class Snapshot:
                 "time": self.time,
                 "message": self.message,
                 "step": self.step,
-                "metrics": dict(self.metrics),
-                "metadata": dict(self.metadata),
+                "metrics": _encode_floats(dict(self.metrics)),
+                "metadata": _encode_floats(dict(self.metadata)),
             }
         )
 
     @classmethod
     def from_bytes(cls, data: bytes, snapshot_id: str | None = None) -> Snapshot:
+        """Parse and validate every field; any malformed document is an IntegrityError."""
         doc = parse_document(data, "snapshot", snapshot_id)
+        name = _name("snapshot", snapshot_id)
+        _check_fields(doc, name, {"format", "root", "parent", "time"},
+                      {"message", "step", "metrics", "metadata"})
+        root = check_id(doc["root"], "root tree", name)
+        parent = doc["parent"]
+        if parent is not None:
+            check_id(parent, "parent snapshot", name)
+        if not isinstance(doc["time"], str):
+            _bad(name, "time as a string", doc["time"])
+        message = doc.get("message", "")
+        if not isinstance(message, str):
+            _bad(name, "message as a string", message)
+        step = doc.get("step")
+        if step is not None and (type(step) is not int):
+            _bad(name, "step as an integer or null", step)
+        metrics_doc = doc.get("metrics", {})
+        if not isinstance(metrics_doc, dict):
+            _bad(name, "metrics as an object", metrics_doc)
+        metrics: dict[str, float] = {}
+        for key, raw in metrics_doc.items():
+            value = _decode_floats(raw, name, f"metrics[{key!r}]")
+            if not _is_real(value):
+                _bad(name, f"metrics[{key!r}] as a number", raw)
+            metrics[key] = float(value)
+        raw_metadata = doc.get("metadata", {})
+        metadata = _decode_floats(raw_metadata, name, "metadata")
+        if not isinstance(metadata, dict):
+            _bad(name, "metadata as an object", raw_metadata)
         return cls(
-            root=doc["root"],
-            parent=doc["parent"],
-            time=doc["time"],
-            message=doc.get("message", ""),
-            step=doc.get("step"),
-            metrics=doc.get("metrics", {}),
-            metadata=doc.get("metadata", {}),
+            root=root, parent=parent, time=doc["time"], message=message, step=step,
+            metrics=metrics, metadata=metadata,
         )
 
     @property
     def id(self) -> str:
         return content_id(self.to_bytes())
+
+
+# -- commit arguments, checked before anything is written ---------------------------------
+
+
+def _field_error(field_name: str, expected: str, got: Any, fix: str) -> NoReturn:
+    raise FormatError(
+        f"Expected {field_name} to be {expected}. Got {_show(got)} "
+        f"({type(got).__name__}) instead; {fix}."
+    )
+
+
+def _json_value(value: Any, where: str, depth: int) -> Any:
+    """A JSON-encodable copy of ``value`` (numpy scalars -> Python), else FormatError."""
+    if depth > MAX_DEPTH:
+        _field_error(where, f"nested at most {MAX_DEPTH} levels deep", "deeper nesting",
+                     "flatten the metadata")
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return bool(value) if isinstance(value, _np_bool()) else int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, _np_bool()):
+        return bool(value)
+    if isinstance(value, Mapping):
+        if len(value) == 1 and FLOAT_KEY in value:
+            _field_error(where, f'an object other than one with the single key "{FLOAT_KEY}"',
+                         dict(value), f'"{FLOAT_KEY}" is reserved for NaN and infinity; rename the key')
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                _field_error(f"the keys of {where}", "strings", key, "convert the key with str()")
+            out[key] = _json_value(item, f"{where}[{key!r}]", depth + 1)
+        return out
+    if isinstance(value, list | tuple):
+        return [_json_value(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
+    _field_error(where, "JSON-encodable (null, bool, number, string, list or str-keyed dict)",
+                 value, "convert it (a set to a sorted list, an array with .tolist(), an object "
+                 "to a dict or str)")
+
+
+def check_commit_fields(
+    message: Any, step: Any, metrics: Any, metadata: Any
+) -> tuple[str, int | None, dict[str, float], dict[str, Any]]:
+    """Validate and normalise what a commit records, before anything is written.
+
+    - ``message``: a string;
+    - ``step``: None or an integer (numpy integers too); bool, strings and floats (even
+      ``3.0``: no silent truncation) are refused;
+    - ``metrics``: None or a mapping of str -> real number (numpy scalars too, NaN and
+      infinity kept), returned as floats;
+    - ``metadata``: None or a str-keyed mapping of JSON values (numpy scalars become
+      Python numbers, tuples lists; NaN and infinity kept); an object whose only key is
+      ``"$float"`` is reserved.
+
+    Returns ``(message, step, metrics, metadata)``; raises :class:`FormatError` naming
+    the field (and the key path inside it).
+    """
+    if not isinstance(message, str):
+        _field_error("message", "a string", message, "pass message='...'")
+    if step is not None:
+        if isinstance(step, bool | _np_bool()) or not isinstance(step, numbers.Integral):
+            _field_error("step", "an integer or None", step, "pass the training step as an int")
+        step = int(step)
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, Mapping):
+        _field_error("metrics", "a mapping of str -> number", metrics, "pass a dict")
+    clean_metrics: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            _field_error("the keys of metrics", "strings", key, "convert the key with str()")
+        if not _is_real(value):
+            _field_error(f"metrics[{key!r}]", "a real number", value,
+                         "log a float (use float(x) for a tensor or array scalar)")
+        clean_metrics[key] = float(value)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, Mapping):
+        _field_error("metadata", "a mapping of str -> JSON value", metadata, "pass a dict")
+    clean_metadata = _json_value(metadata, "metadata", 0)
+    return message, step, clean_metrics, clean_metadata

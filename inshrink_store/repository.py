@@ -406,6 +406,11 @@ class Repository:
         gc is waited for up to ``gc_wait`` seconds.
         """
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
+        if quantize is not None and not callable(getattr(quantize, "plan", None)):
+            raise FormatError(
+                f"Expected quantize to be a planner with a plan() method (e.g. "
+                f"inshrink_store.policy.QuantConfig(bins=16)) or None. Got {quantize!r} instead."
+            )
         tx = self.transaction(branch, parent=parent, inherit=False, gc_wait=gc_wait, on_wait=on_wait)
         try:
             tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress)
@@ -536,35 +541,46 @@ class Transaction:
     def _rebased_root(self, head_id: str) -> RootTree:
         """This transaction's changes re-applied on ``head_id``, written; the new root tree.
 
-        A transaction that inherited its parent's tensors changed only some keys; moving
-        just its parent pointer would silently undo what the other writer committed. So the
-        keys this transaction added, changed or removed are replayed on the new head's keys,
-        and a key both sides changed is a :class:`ConflictError` (nothing published)."""
+        A transaction that inherited its parent's tensors changed only some of them; moving
+        just its parent pointer would silently undo what the other writer committed. So
+        the merge is per zarr node (a tensor with all its chunks, or a group's attributes):
+        a node this transaction added, changed or removed is taken from it (this commit
+        comes later in history, so its write is the newer one); every other node is taken
+        from the new head."""
         storage = self.repo.storage
-        base = self.parent_view.entries if self.parent_view is not None else {}
-        mine = self.view.entries
-        changed = {k: e for k, e in mine.items() if base.get(k) != e}
-        removed = set(base) - set(mine)
+        base = _by_node(self.parent_view.entries if self.parent_view is not None else {})
+        mine = _by_node(self.view.entries)
         head_view = SnapshotChunks(self.repo.objects, self.repo.snapshot(head_id).root, head_id)
-        theirs = head_view.entries
-        clashes = sorted(k for k in set(changed) | removed if theirs.get(k) != base.get(k))
-        if clashes:
-            raise ConflictError(
-                f"Expected to rebase this transaction onto {self.branch!r}'s new head {head_id}. "
-                f"Got {len(clashes)} key(s) that the other writer changed too (first: "
-                f"{clashes[0]!r}) instead; nothing was published. Open a new transaction on the "
-                "new head and write again."
-            )
-        merged = PendingChunks(self.repo.objects, head_view, inherit=True)
-        for key in removed:
-            merged.entries.pop(key, None)
-        merged.entries.update(changed)
+        merged_nodes = _by_node(head_view.entries)
+        for node in set(base) | set(mine):
+            if base.get(node) == mine.get(node):
+                continue  # untouched here: the head's version stands
+            if node in mine:
+                merged_nodes[node] = mine[node]
+            else:
+                merged_nodes.pop(node, None)
+        merged = PendingChunks(self.repo.objects, head_view, inherit=False)
+        for entries in merged_nodes.values():
+            merged.entries.update(entries)
         root, trees = merged.build_trees()
         for tree_id, tree in trees.items():
             if not storage.exists(tree_path(tree_id)):
                 storage.write(tree_path(tree_id), tree.to_bytes())
         storage.write(tree_path(root.id), root.to_bytes())
         return root
+
+
+def _by_node(entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Store keys grouped by the zarr node they belong to ('' is the root group): the
+    deepest ``<node>/zarr.json`` above each key."""
+    nodes = {k[: -len("zarr.json")].rstrip("/") for k in entries if k == "zarr.json" or k.endswith("/zarr.json")}
+    out: dict[str, dict[str, Any]] = {}
+    for key, entry in entries.items():
+        node = key.rsplit("/", 1)[0] if "/" in key else ""
+        while node and node not in nodes:
+            node = node.rsplit("/", 1)[0] if "/" in node else ""
+        out.setdefault(node, {})[key] = entry
+    return out
 
 
 __all__ = ["Repository", "SnapshotInfo", "Transaction", "init", "open"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import fsspec
 
-from inshrink_store.errors import FormatError, MissingDependencyError, NotFoundError
+from inshrink_store.errors import FormatError, IntegrityError, MissingDependencyError, NotFoundError
 
 _MEMORY_LOCK = threading.Lock()
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -78,16 +78,34 @@ class Storage:
 
     def read(self, path: str) -> bytes:
         """Whole file; ``FileNotFoundError`` if absent."""
-        return self.fs.cat_file(self._full(path))
+        full = self._full(path)
+        if self.is_local and os.path.exists(full):
+            self._inside(full)
+        return self.fs.cat_file(full)
 
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(self._full(path)))
+
+    def _inside(self, full: str) -> None:
+        """Local stores: refuse a folder that a symlink leads out of the store's root.
+
+        Every path we build is relative and checked, but the folders on disk are not ours
+        alone: ``objects/ab -> /etc`` would make a write land outside the store."""
+        directory = os.path.realpath(os.path.dirname(full))
+        root = os.path.realpath(self.root or ".")
+        if directory != root and not directory.startswith(root.rstrip(os.sep) + os.sep):
+            raise IntegrityError(
+                f"Expected {os.path.dirname(full)!r} to be a folder inside the store {self.url!r}. "
+                f"Got a symlink that leads to {directory!r} instead; nothing was written there. "
+                "Remove the link (stores never create links)."
+            )
 
     def write(self, path: str, data: bytes) -> None:
         """Write or overwrite; atomic on a local disk (temp file, then rename)."""
         full = self._full(path)
         if self.is_local:
             os.makedirs(os.path.dirname(full), exist_ok=True)
+            self._inside(full)
             tmp = f"{full}.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -116,6 +134,8 @@ class Storage:
         """
         full = self._full(path)
         if self.is_local:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            self._inside(full)
             self._create_exclusive_local(full, data)
         elif self.protocol == "memory":
             with _MEMORY_LOCK:

@@ -266,14 +266,50 @@ def quantizer(codebook: tuple[float, ...], tolerance: float, protected_dtype: st
     return Quantizer(codebook, tolerance, protected_dtype, dtype)
 
 
+_MAX_CENTRES = 65534
+CONFIG_KEYS = ("codebook", "tolerance", "protected_dtype", "dtype")
+
+
 def _codebook(values: Any) -> tuple[float, ...]:
+    ok = isinstance(values, list | tuple | np.ndarray) and len(values) <= _MAX_CENTRES
+    if ok and not isinstance(values, np.ndarray):
+        ok = all(
+            isinstance(c, int | float | np.integer | np.floating) and not isinstance(c, bool)
+            for c in values
+        )
     try:
-        codebook = tuple(float(c) for c in values)
+        codebook = tuple(float(c) for c in np.asarray(values).reshape(-1)) if ok else None
     except (TypeError, ValueError):
+        codebook = None
+    if codebook is None:
         raise FormatError(
-            f"Expected codebook as a list of numbers. Got {values!r:.80} instead."
-        ) from None
+            f"Expected codebook as a list of 1..{_MAX_CENTRES} numbers. "
+            f"Got {values!r:.80} instead."
+        )
     return codebook
+
+
+def _choice(value: Any, name: str, allowed: tuple[str, ...], none_ok: bool = False) -> Any:
+    if (value is None and none_ok) or (isinstance(value, str) and value in allowed):
+        return value
+    raise FormatError(
+        f"Expected {name} in {allowed}{' or null' if none_ok else ''} in the {CODEC_ID} "
+        f"configuration. Got {value!r:.80} instead."
+    )
+
+
+def check_config(config: Any, allowed: tuple[str, ...], codec: str) -> dict[str, Any]:
+    """A codec configuration as keyword arguments: a dict with only ``allowed`` str keys."""
+    if not isinstance(config, dict):
+        raise FormatError(f"Expected the {codec} configuration to be a dict. Got {config!r:.80} instead.")
+    unknown = [k for k in config if k not in allowed]
+    if unknown:
+        raise FormatError(
+            f"Expected only the keys {list(allowed)} in the {codec} configuration. Got the "
+            f"unknown key {unknown[0]!r:.80} instead; remove it (or upgrade inshrink-store if "
+            "a newer version wrote it)."
+        )
+    return dict(config)
 
 
 class NUQ(Codec):
@@ -289,9 +325,18 @@ class NUQ(Codec):
                  protected_dtype: str = "bfloat16", dtype: str = "float32") -> None:
         self.codebook = list(_codebook(codebook))
         self.tolerance = _tolerance_from_json(tolerance)
-        self.protected_dtype = protected_dtype
-        self.dtype = dtype
+        self.protected_dtype = _choice(protected_dtype, "protected_dtype", ("bfloat16", "float32"))
+        self.dtype = _choice(dtype, "dtype", ELEMENT_DTYPES)
         self._q = quantizer(tuple(self.codebook), self.tolerance, protected_dtype, dtype)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> NUQ:
+        """Build from ``get_config()`` output; an unknown key is a FormatError naming it."""
+        kwargs = check_config(config, ("id", *CONFIG_KEYS), CODEC_ID)
+        kwargs.pop("id", None)
+        if "codebook" not in kwargs:
+            raise FormatError(f"Expected a codebook in the {CODEC_ID} configuration. Got none instead.")
+        return cls(**kwargs)
 
     def get_config(self) -> dict[str, Any]:
         return {"id": CODEC_ID, "codebook": list(self.codebook),
@@ -369,14 +414,25 @@ class NUQZarrCodec(ArrayBytesCodec):
                  dtype: str | None = None) -> None:
         object.__setattr__(self, "codebook", _codebook(codebook))
         object.__setattr__(self, "tolerance", _tolerance_from_json(tolerance))
-        object.__setattr__(self, "protected_dtype", protected_dtype)
-        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "protected_dtype",
+                           _choice(protected_dtype, "protected_dtype", ("bfloat16", "float32")))
+        object.__setattr__(self, "dtype", _choice(dtype, "dtype", ELEMENT_DTYPES, none_ok=True))
         quantizer(self.codebook, self.tolerance, protected_dtype, dtype or "float32")  # validates
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NUQZarrCodec:
-        _, config = parse_named_configuration(data, CODEC_ID)
-        return cls(**config)  # type: ignore[arg-type]  # validated in __init__
+        """Build from zarr.json; an unknown configuration key is a FormatError naming it."""
+        try:
+            _, config = parse_named_configuration(data, CODEC_ID)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise FormatError(
+                f"Expected a codec entry {{'name': {CODEC_ID!r}, 'configuration': {{...}}}}. "
+                f"Got {data!r:.80} instead ({exc})."
+            ) from None
+        kwargs = check_config(config, CONFIG_KEYS, CODEC_ID)
+        if "codebook" not in kwargs:
+            raise FormatError(f"Expected a codebook in the {CODEC_ID} configuration. Got none instead.")
+        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         config: dict[str, Any] = {"codebook": list(self.codebook),

@@ -29,7 +29,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
 
-from inshrink_store.codecs import _payload
+from inshrink_store.codecs import _payload, _zstd
 from inshrink_store.errors import FormatError, IntegrityError
 
 CODEC_ID = "inshrink.vdelta"
@@ -117,13 +117,29 @@ class VDelta(Codec):
     codec_id = CODEC_ID
 
     def __init__(self, level: int = 3, regroup: bool = True, coder: str = "zstd") -> None:
-        if coder not in CODERS:
-            raise FormatError(f"Expected coder one of {sorted(CODERS)}. Got {coder!r} instead.")
-        if not 1 <= int(level) <= 22:
-            raise FormatError(f"Expected a zstd level in 1..22. Got {level!r} instead.")
+        if not isinstance(coder, str) or coder not in CODERS:
+            raise FormatError(f"Expected coder one of {sorted(CODERS)}. Got {coder!r:.80} instead.")
+        if isinstance(level, bool) or not isinstance(level, int | np.integer) or not 1 <= level <= 22:
+            raise FormatError(f"Expected a zstd level (an integer) in 1..22. Got {level!r:.80} instead.")
+        if not isinstance(regroup, bool | np.bool_):
+            raise FormatError(f"Expected regroup to be true or false. Got {regroup!r:.80} instead.")
         self.level = int(level)
         self.regroup = bool(regroup)
         self.coder = coder
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> VDelta:
+        """Build from ``get_config()`` output; an unknown key is a FormatError naming it."""
+        if not isinstance(config, dict):
+            raise FormatError(f"Expected the {CODEC_ID} configuration to be a dict. Got {config!r:.80} instead.")
+        unknown = [k for k in config if k not in ("id", "coder", "level", "regroup")]
+        if unknown:
+            raise FormatError(
+                f"Expected only the keys ['id', 'coder', 'level', 'regroup'] in the {CODEC_ID} "
+                f"configuration. Got the unknown key {unknown[0]!r:.80} instead; remove it (or "
+                "upgrade inshrink-store if a newer version wrote it)."
+            )
+        return cls(**{k: v for k, v in config.items() if k != "id"})
 
     def get_config(self) -> dict[str, Any]:
         return {"id": CODEC_ID, "coder": self.coder, "level": self.level, "regroup": self.regroup}
@@ -186,11 +202,10 @@ def _parse_header(data: np.ndarray) -> tuple[int, ...]:
 
 
 def _decompress(body: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
+    """The n deltas; ``n`` was already checked against the base, a real payload, and the
+    frame is decompressed in bounded steps (a declared content size is never trusted)."""
     size = n * dtype.itemsize
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"Expected a valid zstd frame of deltas. Got a zstd error instead: {exc}") from exc
+    raw = _zstd.decompress(memoryview(body), size, "the vdelta stream's zstd frame of deltas")
     if len(raw) != size:
         raise FormatError(f"Expected {size} bytes of deltas. Got {len(raw)} instead.")
     return np.frombuffer(raw, dtype=dtype)

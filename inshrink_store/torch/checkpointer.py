@@ -25,7 +25,7 @@ import numpy as np
 import zstandard
 
 from inshrink_store.codecs.nuq import NUQ
-from inshrink_store.errors import InshrinkError
+from inshrink_store.errors import InshrinkError, LeaseBrokenError
 from inshrink_store.policy import QuantConfig, StatePlanner
 from inshrink_store.policy.partition import PartitionCache
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
@@ -68,7 +68,8 @@ class Checkpointer:
     def __init__(self, repo: Any, model: Any, optimizer: Any = None, eval_fn: Callable[[Any], float] | None = None,
                  tolerance: float = 0.05, every: int | None = None, *, higher_is_better: bool = True,
                  ema_batches: int = 50, branch: str = "main", background: bool = True,
-                 space: SearchSpace | None = None, optimizer_policy: Any = None) -> None:
+                 space: SearchSpace | None = None, optimizer_policy: Any = None,
+                 gc_wait: float = 600.0) -> None:
         self.repo, self.model, self.optimizer, self.eval_fn = repo, model, optimizer, eval_fn
         self.tolerance, self.every, self.higher_is_better = tolerance, every, higher_is_better
         self.ema_batches, self.branch, self.space = ema_batches, branch, space or SearchSpace()
@@ -76,6 +77,9 @@ class Checkpointer:
         #: scope="optimizer/")``); None keeps the optimizer state lossless, the default: the search
         #: only evaluates the model, so nothing would check what a lossy optimizer costs.
         self.optimizer_policy = optimizer_policy
+        #: how long a save waits for a running gc (logged) before it fails; a commit that a gc
+        #: fenced off (it judged this process dead) is retried at once, the state still in hand
+        self.gc_wait = gc_wait
         self._ema: dict[str, Any] = {}
         self._batches = 0
         self._parent: str | None = None
@@ -250,14 +254,30 @@ class Checkpointer:
             "search": None if result is None else result.to_dict(),
             "model_ratio_estimate": None if chosen is None else measure_ratio(chosen),
         }}
-        info = self.repo.save(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=quantize,
-                              branch=self.branch, parent=self._parent, step=step, metrics=metrics,
-                              message=message or f"step {step}", metadata=metadata)
+        info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=quantize,
+                            branch=self.branch, parent=self._parent, step=step, metrics=metrics,
+                            message=message or f"step {step}", metadata=metadata)
         self._parent = info.id
         self._previous = chosen
         self.last_search = result
         self.timings.append({"copy_s": copy_s, "search_s": t_search, "total_s": time.perf_counter() - t0 + copy_s})
         return info
+
+    def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> Any:
+        """``repo.save`` that rides out a gc: waits for it (up to ``gc_wait`` s, logged) and
+        retries a commit the gc fenced off, so a gc never costs the run a checkpoint."""
+        def waiting(message: str) -> None:
+            log.warning("checkpoint at step %s: %s (up to %.0f s)", kwargs.get("step"), message, self.gc_wait)
+
+        for attempt in range(1, 4):
+            try:
+                return self.repo.save(arrays, gc_wait=self.gc_wait, on_wait=waiting, **kwargs)
+            except LeaseBrokenError:
+                if attempt == 3:
+                    raise
+                log.warning("checkpoint at step %s: a gc fenced off this commit; retrying (%d/3)",
+                            kwargs.get("step"), attempt + 1)
+        raise AssertionError("unreachable")
 
     def _within(self, quality: float, baseline: float) -> bool:
         slack = self.tolerance * abs(baseline)

@@ -183,3 +183,68 @@ def test_one_changed_chunk_adds_one_object(
     assert {t.path: (t.status, t.chunks_changed) for t in report.tensors} == {
         "b": ("unchanged", 0), "copy": ("unchanged", 0), "w": ("changed", 1)}
     np.testing.assert_array_equal(repo.checkout("main").read("w"), changed)
+
+
+def test_rebasing_a_partial_update_keeps_the_other_writers_change(memory_url: str) -> None:
+    """Regression: history said b=2 followed a=1, but head had the old a."""
+    repo = ins.open(memory_url, create=True)
+    repo.save({"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)})
+    slow = repo.transaction("main")  # inherits a and b, changes only b
+    fast = repo.transaction("main")
+    fast.write({"a": np.ones(3, np.float32)})
+    fast.commit(message="a=1")
+    slow.write({"b": np.full(3, 2, np.float32)})
+    with pytest.raises(ins.ConflictError):
+        slow.commit(message="b=2")
+    info = slow.commit(message="b=2", rebase=True)
+    head = repo.load("main")
+    assert info.id == repo.resolve("main") and [i.message for i in repo.log()][:2] == ["b=2", "a=1"]
+    np.testing.assert_array_equal(head["a"], np.ones(3, np.float32))  # not reverted
+    np.testing.assert_array_equal(head["b"], np.full(3, 2, np.float32))
+    assert repo.verify().ok
+
+
+def test_rebasing_onto_a_change_of_the_same_tensor_takes_the_later_write(memory_url: str) -> None:
+    """Same tensor on both sides: the rebased commit is the later one in history, so its
+    write stands — whole, never a mix of the two writers' chunks."""
+    repo = ins.open(memory_url, create=True)
+    repo.save({"a": np.zeros(3, np.float32), "c": np.zeros(2, np.float32)})
+    slow, fast = repo.transaction("main"), repo.transaction("main")
+    fast.write({"a": np.ones((4, 4), np.float32), "c": np.ones(2, np.float32)})
+    fast.commit()
+    slow.write({"a": np.full(5, 2, np.float32)})
+    slow.commit(rebase=True)
+    head = repo.load("main")
+    np.testing.assert_array_equal(head["a"], np.full(5, 2, np.float32))
+    np.testing.assert_array_equal(head["c"], np.ones(2, np.float32))
+    assert repo.verify().ok
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_metrics_and_metadata_keep_the_checkpoint(memory_url: str, value: float) -> None:
+    """Regression: a diverged run's checkpoint was lost (objects written, commit failed on JSON)."""
+    repo = ins.open(memory_url, create=True)
+    info = repo.save({"w": np.ones(3, np.float32)}, metrics={"loss": value},
+                     metadata={"grad_norm": [1.0, value], "note": {"x": value}}, step=5)
+    back = ins.open(memory_url).snapshot(info.id)
+    for got in (back.metrics["loss"], back.metadata["grad_norm"][1], back.metadata["note"]["x"]):
+        assert (np.isnan(got) and np.isnan(value)) or got == value
+    assert repo.verify().ok
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"step": "abc"}, {"step": 1.7}, {"step": True}, {"metrics": {"loss": "low"}},
+    {"metadata": {"s": {1, 2}}}, {"metadata": {"o": object()}}, {"message": 3},
+])
+def test_bad_commit_fields_are_refused_before_anything_is_written(memory_url: str, kwargs: dict) -> None:
+    repo = ins.open(memory_url, create=True)
+    before = repo.storage.list("")
+    with pytest.raises(ins.FormatError):
+        repo.save({"w": np.ones(3, np.float32)}, **kwargs)
+    assert repo.storage.list("") == before
+
+
+def test_quantize_must_be_a_planner(memory_url: str) -> None:
+    repo = ins.open(memory_url, create=True)
+    with pytest.raises(ins.FormatError, match="quantize"):
+        repo.save({"w": np.ones(3, np.float32)}, quantize="yes")  # type: ignore[arg-type]

@@ -103,3 +103,26 @@ def test_bad_urls_get_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         Storage("s3://bucket/store")
     with pytest.raises(MissingDependencyError, match=r"inshrink-store\[gcs\]"):
         Storage("gs://bucket/store")
+
+
+def test_local_writes_never_follow_a_symlinked_folder_out_of_the_store(tmp_path) -> None:
+    import os
+
+    import numpy as np
+
+    import inshrink_store as ins
+    from inshrink_store.storage import Storage
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = tmp_path / "store"
+    repo = ins.open(str(store), create=True)
+    os.makedirs(store / "snapshots", exist_ok=True)
+    os.rmdir(store / "snapshots")
+    os.symlink(outside, store / "snapshots")
+    with pytest.raises(ins.IntegrityError, match="symlink"):
+        repo.save({"w": np.ones(3, np.float32)})
+    assert list(outside.iterdir()) == []
+    (outside / "secret").write_bytes(b"top secret")
+    with pytest.raises(ins.IntegrityError, match="symlink"):
+        Storage(str(store)).read("snapshots/secret")

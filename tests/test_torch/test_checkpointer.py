@@ -191,3 +191,44 @@ def test_optimizer_state_is_lossless_by_default_and_a_policy_can_quantize_it(url
     state = load_state(repo, "main")
     for k, v in opt.state_dict()["state"].items():
         assert torch.equal(state["optimizer"]["state"][k]["step"], v["step"])
+
+
+def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: saves raised BackgroundSaveError into the loop while a gc ran (13 of 144)."""
+    import threading
+
+    from inshrink_store import leases
+    from inshrink_store.maintenance import GarbageCollector
+
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck = Checkpointer(repo, model, opt, gc_wait=60)
+    ck.save(1)
+    first = ck.wait()
+    gc = GarbageCollector(repo)
+    gc.start()  # a gc holds the store for ~1.5 s
+    threading.Timer(1.5, lambda: (gc.mark(), gc.sweep(), gc.finish())).start()
+    _train(model, opt, x, y, 2, ck)
+    with caplog.at_level("WARNING", logger="inshrink_store.torch.checkpointer"):
+        ck.save(2)
+        second = ck.wait()
+    assert second.parent == first.id and "waiting for gc" in caplog.text
+    # a commit fenced off by a gc (it judged this process dead) is retried, not lost
+    real_fence, calls = leases.fence_for_commit, []
+
+    def fenced_once(storage: Any, held: Any) -> None:
+        calls.append(held.token)
+        if len(calls) == 1:
+            raise ins.LeaseBrokenError("fenced off")
+        real_fence(storage, held)
+
+    leases.fence_for_commit = fenced_once  # type: ignore[assignment]
+    try:
+        ck.save(3)
+        third = ck.wait()
+    finally:
+        leases.fence_for_commit = real_fence  # type: ignore[assignment]
+    ck.close()
+    assert len(calls) == 2 and third.parent == second.id and third.step == 3

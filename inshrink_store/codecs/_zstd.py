@@ -1,0 +1,53 @@
+"""Bounded zstd decompression: memory follows the real output, never a declared size.
+
+A zstd frame may declare its content size, and ``ZstdDecompressor().decompress``
+allocates that much up front (a corrupt or hostile frame declaring 10**18 bytes is a
+``MemoryError``; a huge ``max_output_size`` an ``OverflowError``). Here the declared
+size is checked against the caller's limit first, then the frame is decompressed in
+1 MiB steps that stop as soon as the output passes the limit.
+"""
+
+from __future__ import annotations
+
+import zstandard
+
+from inshrink_store.errors import FormatError
+
+#: zstd's largest expansion (a 3-byte RLE block header + 1 byte -> a 128 KiB block), rounded up
+MAX_EXPANSION = 43690
+STEP = 1 << 20
+
+
+def decompress(body: bytes | memoryview, limit: int, what: str) -> bytes:
+    """The content of the single zstd frame ``body``, at most ``limit`` bytes.
+
+    Raises :class:`FormatError` naming ``what`` for an invalid frame, a declared content
+    size above ``limit``, or output past ``limit``. Bytes after the first frame are ignored.
+    """
+    try:
+        declared = zstandard.get_frame_parameters(body).content_size
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"Expected {what} to be a zstd frame. Got {exc} instead.") from None
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+        raise FormatError(
+            f"Expected {what} to declare at most {limit} bytes of content. "
+            f"Got {declared} instead (corrupt or hostile frame)."
+        )
+    parts: list[bytes] = []
+    total = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=False) as reader:
+            while True:
+                part = reader.read(min(STEP, limit - total + 1))
+                if not part:
+                    break
+                total += len(part)
+                if total > limit:
+                    raise FormatError(
+                        f"Expected {what} to decompress to at most {limit} bytes. "
+                        "Got more instead (corrupt or hostile frame)."
+                    )
+                parts.append(part)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"Expected {what} to be a valid zstd frame. Got {exc} instead.") from None
+    return b"".join(parts)
