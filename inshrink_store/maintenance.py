@@ -240,11 +240,13 @@ def verify(repo: Any, progress: Progress | None = None) -> VerifyReport:
     trees = 0
     for sid in sorted(snapshots):
         try:
-            view = SnapshotChunks(fresh, repo.snapshot(sid).root, sid)
+            info = repo.snapshot(sid)
+            view = SnapshotChunks(fresh, info.root, sid)
             for path, (_tid, tree) in view.node_trees().items():
                 trees += 1
                 for oid in tree.chunks.values():
                     users.setdefault(oid, set()).add((sid, path))
+            SnapshotReader(info, view).arrays()  # every zarr.json parses and fits its chunks
         except InshrinkError as exc:
             problems.append(Problem("tree", sid, str(exc)))
     deltas = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -113,6 +114,11 @@ def init(
 ) -> Repository:
     """Create an empty store at ``url``; an existing store is an error unless ``exist_ok``."""
     storage = Storage(url, storage_options)
+    if storage.is_local and os.path.exists(storage.root) and not os.path.isdir(storage.root):
+        raise FormatError(
+            f"Expected a folder (or nothing) at {url!r} to create a store in. Got a file there "
+            "instead; choose another path."
+        )
     settings = {
         "format": FORMAT_VERSION,
         "created": utc_now(),
@@ -134,15 +140,19 @@ class Repository:
 
     def __init__(self, storage: Storage, keyframe_interval: int | None = None) -> None:
         self.storage = storage
-        raw = storage.read(CONFIG_FILE)
-        self.settings = json.loads(raw)
+        self.settings = _read_settings(storage)
         if self.settings.get("format") != FORMAT_VERSION:
             raise FormatError(
                 f"Expected store format {FORMAT_VERSION}. Got {self.settings.get('format')!r} "
                 "instead; upgrade inshrink-store to read this store."
             )
         interval = keyframe_interval or self.settings.get("keyframe_interval", DEFAULT_KEYFRAME_INTERVAL)
-        self.objects = ObjectStore(storage, keyframe_interval=int(interval))
+        if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 4096:
+            raise IntegrityError(
+                f"Expected keyframe_interval in {storage.url!r}/{CONFIG_FILE} to be an integer "
+                f"from 1 to 4096. Got {interval!r} instead: the store's settings are corrupt."
+            )
+        self.objects = ObjectStore(storage, keyframe_interval=interval)
 
     @property
     def url(self) -> str:
@@ -446,6 +456,26 @@ class Repository:
         """Per version, oldest first: logical bytes, new stored bytes, cumulative, ratio
         (``prefix="model/"``: only the tensors under it)."""
         return maintenance.du(self, ref, prefix)
+
+
+def _read_settings(storage: Storage) -> dict[str, Any]:
+    """``inshrink.json`` as a dict, or an IntegrityError naming the file and what is wrong."""
+    raw = storage.read(CONFIG_FILE)
+    try:
+        settings = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(
+            f"Expected {storage.url!r}/{CONFIG_FILE} to hold the store's settings as JSON. Got "
+            f"{len(raw)} bytes that are not JSON instead ({type(exc).__name__}): the file is "
+            "corrupt; it holds only the format and keyframe interval, so restore it from "
+            'another store (e.g. {"format": 1, "keyframe_interval": 8}).'
+        ) from None
+    if not isinstance(settings, dict):
+        raise IntegrityError(
+            f"Expected {storage.url!r}/{CONFIG_FILE} to hold a JSON object. Got a "
+            f"{type(settings).__name__} instead: the file is corrupt."
+        )
+    return settings
 
 
 def _maybe_name(text: str) -> bool:

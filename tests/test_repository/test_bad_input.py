@@ -248,3 +248,40 @@ def test_quantize_must_be_a_planner(memory_url: str) -> None:
     repo = ins.open(memory_url, create=True)
     with pytest.raises(ins.FormatError, match="quantize"):
         repo.save({"w": np.ones(3, np.float32)}, quantize="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"{not json", b"\xff\xfe", b'{"format": 1, "keyframe_interval": "x"}', b"[" * 5000])
+def test_a_corrupt_settings_file_is_a_clear_error(memory_url: str, content: bytes) -> None:
+    ins.open(memory_url, create=True)
+    from inshrink_store.storage import Storage
+
+    Storage(memory_url).write("inshrink.json", content)
+    with pytest.raises(ins.IntegrityError, match="inshrink.json"):
+        ins.open(memory_url)
+
+
+def test_init_under_a_file_names_the_file(tmp_path) -> None:
+    path = tmp_path / "file"
+    path.write_text("user data")
+    with pytest.raises(ins.FormatError, match="Got a file there"):
+        ins.init(str(path))
+    assert path.read_text() == "user data"
+
+
+def test_verify_reports_a_bad_array_document(memory_url: str) -> None:
+    from inshrink_store.manifest import NodeTree, RootTree, Snapshot
+    from inshrink_store.zarr_store import load_node, load_root, tree_path
+
+    repo = ins.open(memory_url, create=True)
+    info = repo.save({"w": np.ones(3, np.float32)})
+    root = load_root(repo.objects, info.root)
+    node = load_node(repo.objects, root.nodes["w"])
+    bad = NodeTree(metadata='{"zarr_format": 3, "node_type": "array", "shape": "huge"}', chunks=node.chunks)
+    repo.storage.write(tree_path(bad.id), bad.to_bytes())
+    new_root = RootTree(nodes={**root.nodes, "w": bad.id})
+    repo.storage.write(tree_path(new_root.id), new_root.to_bytes())
+    snap = Snapshot(root=new_root.id, parent=info.id, time=info.time)
+    repo.storage.write(f"snapshots/{snap.id}", snap.to_bytes())
+    repo.storage.create_exclusive("refs/branches/main/000000000001", snap.id.encode())
+    report = repo.verify()
+    assert not report.ok and any("w" in p.error for p in report.problems)
