@@ -37,7 +37,8 @@ from inshrink_store.codecs import _payload, _zstd
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
-from inshrink_store.manifest import check_id, content_id
+from inshrink_store.layout import object_path  # noqa: F401 - re-exported
+from inshrink_store.manifest import content_id
 from inshrink_store.storage import Storage
 
 MAGIC_V1 = b"ISO\x01"  # checksum over the body only; still read, never written
@@ -53,12 +54,6 @@ CODER_NONE, CODER_ZSTD = 0, 1
 ZSTD_LEVEL = 3
 MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
-
-
-def object_path(oid: str) -> str:
-    """Where object ``oid`` lives; a malformed id (``../x``) is an IntegrityError, never a path."""
-    check_id(oid, "object", "an object reference")
-    return f"objects/{oid[:2]}/{oid[2:]}"
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,17 @@ import datetime as _dt
 import json
 import math
 import numbers
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import xxhash
 
-from inshrink_store.errors import FormatError, InshrinkError, IntegrityError
+from inshrink_store.errors import FormatError, IntegrityError
+from inshrink_store.layout import ID_PATTERN, check_id  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 1
 #: every snapshot, tree and object id: the xxh3-128 of the content, 32 lowercase hex digits
-ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 #: how a non-finite float is kept in strict JSON: {"$float": "nan" | "inf" | "-inf"}
 FLOAT_KEY = "$float"
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -36,28 +35,6 @@ def _show(value: Any, limit: int = 80) -> str:
     """A short repr for error messages: a hostile document never floods (or leaks) a log."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def check_id(
-    value: Any, kind: str, where: str, error: type[InshrinkError] = IntegrityError
-) -> str:
-    """``value`` if it is a well-formed id (32 lowercase hex digits), else ``error``.
-
-    ``kind`` names what the id points to ("snapshot", "tree", "object") and ``where``
-    the document or file it was read from; every path built from an id goes through
-    here first, so a value such as ``../../x`` can never reach the filesystem.
-    """
-    if isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None:
-        return value
-    fix = (
-        "pass a full snapshot id, a branch or a tag"
-        if issubclass(error, FormatError)
-        else "the document is corrupt or was not written by inshrink-store; run `inshrink verify`"
-    )
-    raise error(
-        f"Expected the {kind} id in {where} to be 32 lowercase hex digits. "
-        f"Got {_show(value)} instead: {fix}."
-    )
 
 
 def canonical_json(doc: Any) -> bytes:

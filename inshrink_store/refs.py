@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from inshrink_store.errors import FormatError
+from inshrink_store.layout import branch_ref_path, parse_branch_listing, tag_path  # noqa: F401
 
 # always used with fullmatch: "$" would also match before a trailing newline
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -27,24 +28,6 @@ def check_name(name: str, kind: str) -> str:
             f"Got {name!r} instead."
         )
     return name
-
-
-def branch_ref_path(branch: str, seq: int) -> str:
-    return f"refs/branches/{branch}/{seq:0{_SEQ_WIDTH}d}"
-
-
-def tag_path(tag: str) -> str:
-    return f"refs/tags/{tag}"
-
-
-def parse_branch_listing(paths: list[str]) -> dict[str, list[int]]:
-    """``refs/branches/<name>/<seq>`` paths -> branch name -> sorted seqs (ignores strays)."""
-    out: dict[str, list[int]] = {}
-    for path in paths:
-        parts = path.split("/")
-        if len(parts) == 4 and parts[3].isdigit():
-            out.setdefault(parts[2], []).append(int(parts[3]))
-    return {name: sorted(seqs) for name, seqs in sorted(out.items())}
 
 
 def parse_expression(expr: str) -> tuple[str, int]:

@@ -26,15 +26,10 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import IntegrityError, NotFoundError
-from inshrink_store.manifest import NodeTree, RootTree, check_id
+from inshrink_store.layout import tree_path  # noqa: F401 - re-exported
+from inshrink_store.manifest import NodeTree, RootTree
 
 METADATA_KEY = "zarr.json"
-
-
-def tree_path(tree_id: str) -> str:
-    """Where tree ``tree_id`` lives; a malformed id (``../x``) is an IntegrityError, never a path."""
-    check_id(tree_id, "tree", "a tree reference")
-    return f"trees/{tree_id[:2]}/{tree_id[2:]}"
 
 
 def load_root(objects: ObjectStore, root_id: str) -> RootTree:
