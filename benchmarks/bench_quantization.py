@@ -121,8 +121,8 @@ def inshrink(weights: dict[str, np.ndarray], config: QuantConfig) -> dict[str, A
     t_enc, _ = _timed(lambda: repo.save(weights, quantize=config, message="bench"))
     snap = repo.checkout("main")
     t_dec, back = _timed(lambda: {k: snap.read(k) for k in weights})
-    stored = sum(repo.storage.list("objects").values())
-    repo.storage.fs.rm(repo.storage.root, recursive=True)
+    stored = sum(repo._storage.list("objects").values())
+    repo._storage.fs.rm(repo._storage.root, recursive=True)
     return {"bytes": stored, "enc_s": t_enc, "dec_s": t_dec, "rel_l2": _rel_l2(weights, back), "back": back}
 
 
@@ -133,8 +133,8 @@ def save_peak_memory(weights: dict[str, np.ndarray], config: QuantConfig) -> flo
     repo.save(weights, quantize=config, message="bench")
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    stored_now = sum(repo.storage.list("objects").values())
-    repo.storage.fs.rm(repo.storage.root, recursive=True)
+    stored_now = sum(repo._storage.list("objects").values())
+    repo._storage.fs.rm(repo._storage.root, recursive=True)
     # what stays allocated is the store's own copy (memory://); the rest is working memory
     return (peak - stored_now) / sum(v.nbytes for v in weights.values())
 

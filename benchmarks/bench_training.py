@@ -49,7 +49,7 @@ def train_once(mode: str, steps: int, every: int, workdir: Path) -> dict[str, An
     if mode not in ("train only", "torch.save"):
         repo = ins.open(url, create=True, keyframe_interval=1 if mode == "no delta" else None)
         if mode == "no regroup":
-            repo.objects._delta = VDelta(regroup=False)  # benchmark-only switch of the store's delta codec
+            repo._objects._delta = VDelta(regroup=False)  # benchmark-only switch of the store's delta codec
     if mode in ("inshrink", "no regroup", "no delta"):
         ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, xte[:200], yte[:200]),
                           tolerance=0.02, every=every, ema_batches=min(50, every))

@@ -5,6 +5,7 @@ torch lives in :mod:`inshrink_store.torch`, cupy, s3fs and gcsfs are optional.
 """
 
 from inshrink_store.errors import (
+    AlreadyExistsError,
     ConflictError,
     FormatError,
     GcRunningError,
@@ -19,7 +20,7 @@ from inshrink_store.repository import Repository, SnapshotInfo, Transaction, ini
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConflictError", "FormatError", "GcRunningError", "InshrinkError", "IntegrityError",
+    "AlreadyExistsError", "ConflictError", "FormatError", "GcRunningError", "InshrinkError", "IntegrityError",
     "LeaseBrokenError", "MissingDependencyError",
     "NotFoundError", "Repository", "SnapshotInfo", "Transaction", "init", "open", "__version__",
 ]

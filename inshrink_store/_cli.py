@@ -237,10 +237,10 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
     """Tensors of a version: shape, dtype, logical and stored bytes, how each is stored."""
     repo = _open(url)
     reader = repo.checkout(ref)
-    sizes = repo.storage.list("objects")
+    stored_bytes = repo.stored_bytes(reader.id)
     rows = []
     for path, info in sorted(reader.arrays().items()):
-        stored = sum(sizes.get(f"objects/{o[:2]}/{o[2:]}", 0) for o in set(info.chunk_ids.values()))
+        stored = stored_bytes.get(path, 0)
         attrs = info.attributes
         rows.append({
             "tensor": path, "shape": list(info.shape), "dtype": info.dtype, "logical_bytes": info.logical_bytes,

@@ -29,6 +29,10 @@ class ConflictError(InshrinkError):
     """Another writer advanced the branch first; nothing was lost, retry or rebase."""
 
 
+class AlreadyExistsError(ConflictError):
+    """A name that must be new is taken: a tag, a branch, a store at that URL."""
+
+
 class GcRunningError(ConflictError):
     """A gc holds the store and did not finish within the wait; nothing was written, retry."""
 

@@ -49,8 +49,8 @@ def repo(memory_url: str) -> ins.Repository:
 
 
 def test_objects_are_written_as_format_2_with_the_header_checksummed(repo: ins.Repository) -> None:
-    oid = repo.objects.put(b"hello world").oid
-    stored = repo.storage.read(cas.object_path(oid))
+    oid = repo._objects.put(b"hello world").oid
+    stored = repo._storage.read(cas.object_path(oid))
     assert stored[:4] == b"ISO\x02"
     head = stored[: cas.CHECKED_HEADER]
     expected = cas._checksum(head, stored[cas.HEADER_SIZE:])
@@ -61,15 +61,15 @@ def test_format_1_objects_still_read(repo: ins.Repository) -> None:
     payload = _quantized()
     oid = manifest.content_id(payload)
     body = zstandard.ZstdCompressor().compress(payload)
-    repo.storage.write(cas.object_path(oid),
+    repo._storage.write(cas.object_path(oid),
                        cas._frame(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, payload, None, body, version=1))
-    assert cas.ObjectStore(repo.storage).get(oid) == payload
-    assert cas.ObjectStore(repo.storage).header(oid).version == 1
+    assert cas.ObjectStore(repo._storage).get(oid) == payload
+    assert cas.ObjectStore(repo._storage).header(oid).version == 1
     raw = b"plain bytes"
     rid = manifest.content_id(raw)
-    repo.storage.write(cas.object_path(rid),
+    repo._storage.write(cas.object_path(rid),
                        cas._frame(cas.KIND_WHOLE, cas.CODER_NONE, 0, raw, None, raw, version=1))
-    assert cas.ObjectStore(repo.storage).get(rid) == raw
+    assert cas.ObjectStore(repo._storage).get(rid) == raw
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -85,9 +85,9 @@ def test_one_flipped_bit_in_the_logical_length_is_an_integrity_error(
     # re-checksummed: a crafted length, not only a corrupt one, must be refused
     for data in (_set_length(stored, length),
                  _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, length, None, body, version)):
-        repo.storage.write(cas.object_path(oid), data)
+        repo._storage.write(cas.object_path(oid), data)
         with pytest.raises(IntegrityError, match=oid):
-            cas.ObjectStore(repo.storage).get(oid)
+            cas.ObjectStore(repo._storage).get(oid)
 
 
 @pytest.mark.parametrize("length", [0, 7, 2**40, 2**63, 2**64 - 1])
@@ -95,52 +95,52 @@ def test_crafted_lengths_never_allocate(repo: ins.Repository, length: int) -> No
     oid = "ab" * 16
     for coder, body in ((cas.CODER_NONE, b"x" * 8),
                         (cas.CODER_ZSTD, zstandard.ZstdCompressor().compress(b"\0" * 100))):
-        repo.storage.write(cas.object_path(oid),
+        repo._storage.write(cas.object_path(oid),
                            _crafted(cas.KIND_WHOLE, coder, 0, length, None, body))
         with pytest.raises(IntegrityError, match=oid):
-            cas.ObjectStore(repo.storage).get(oid)
+            cas.ObjectStore(repo._storage).get(oid)
 
 
 def test_zstd_frame_declaring_more_than_the_header_is_refused(repo: ins.Repository) -> None:
     oid = "cd" * 16
     body = zstandard.ZstdCompressor().compress(b"\0" * 10_000)
-    repo.storage.write(cas.object_path(oid),
+    repo._storage.write(cas.object_path(oid),
                        _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, 100, None, body))
     with pytest.raises(IntegrityError, match=f"{oid}.*|at most 100"):
-        cas.ObjectStore(repo.storage).get(oid)
+        cas.ObjectStore(repo._storage).get(oid)
     # no content size in the frame: the streaming decoder stops past the declared length
     body = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 10_000)
-    repo.storage.write(cas.object_path(oid),
+    repo._storage.write(cas.object_path(oid),
                        _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, 100, None, body))
     with pytest.raises(IntegrityError, match="at most 100"):
-        cas.ObjectStore(repo.storage).get(oid)
+        cas.ObjectStore(repo._storage).get(oid)
 
 
 def test_a_changed_base_id_fails_the_format_2_checksum(repo: ins.Repository) -> None:
-    base = repo.objects.put(_quantized(seed=1)).oid
+    base = repo._objects.put(_quantized(seed=1)).oid
     changed = bytearray(_quantized(seed=1))
     changed[40] = (changed[40] + 1) % 15
-    child = repo.objects.put(bytes(changed), base=base)
+    child = repo._objects.put(bytes(changed), base=base)
     assert child.kind == cas.KIND_DELTA
     path = cas.object_path(child.oid)
-    stored = bytearray(repo.storage.read(path))
+    stored = bytearray(repo._storage.read(path))
     stored[20] ^= 0x01  # inside the base id: the header is still self-consistent
-    repo.storage.write(path, bytes(stored))
+    repo._storage.write(path, bytes(stored))
     with pytest.raises(IntegrityError, match="checksum"):
-        cas.ObjectStore(repo.storage).get(child.oid)
+        cas.ObjectStore(repo._storage).get(child.oid)
 
 
 def test_header_uses_a_ranged_read_and_falls_back(repo: ins.Repository, monkeypatch) -> None:
-    oid = repo.objects.put(b"some payload").oid
+    oid = repo._objects.put(b"some payload").oid
     calls = []
-    original = repo.storage.fs.cat_file
+    original = repo._storage.fs.cat_file
 
     def ranged(path, start=None, end=None, **kw):  # type: ignore[no-untyped-def]
         calls.append((start, end))
         return original(path, start=start, end=end, **kw)
 
-    monkeypatch.setattr(repo.storage.fs, "cat_file", ranged)
-    header = repo.objects.header(oid)
+    monkeypatch.setattr(repo._storage.fs, "cat_file", ranged)
+    header = repo._objects.header(oid)
     assert header.logical_length == len(b"some payload") and calls[0] == (0, cas.HEADER_SIZE)
 
     def no_ranges(path, start=None, end=None, **kw):  # type: ignore[no-untyped-def]
@@ -148,10 +148,10 @@ def test_header_uses_a_ranged_read_and_falls_back(repo: ins.Repository, monkeypa
             raise NotImplementedError
         return original(path, **kw)
 
-    monkeypatch.setattr(repo.storage.fs, "cat_file", no_ranges)
-    assert repo.objects.header(oid) == header
+    monkeypatch.setattr(repo._storage.fs, "cat_file", no_ranges)
+    assert repo._objects.header(oid) == header
     with pytest.raises(ins.NotFoundError, match=ZERO_ID):
-        repo.objects.header(ZERO_ID)
+        repo._objects.header(ZERO_ID)
 
 
 # -- 2. ids ------------------------------------------------------------------------------
@@ -246,11 +246,11 @@ def _replace_node(repo: ins.Repository, path: str, metadata: str | None = None,
     tree = reader.view.node_trees()[path][1]
     node = NodeTree(tree.metadata if metadata is None else metadata,
                     tree.chunks if chunks is None else chunks)
-    repo.storage.write(tree_path(node.id), node.to_bytes())
+    repo._storage.write(tree_path(node.id), node.to_bytes())
     root = RootTree({**reader.view.root.nodes, path: node.id})
-    repo.storage.write(tree_path(root.id), root.to_bytes())
+    repo._storage.write(tree_path(root.id), root.to_bytes())
     snap = Snapshot(root.id, None, "t")
-    repo.storage.write(f"snapshots/{snap.id}", snap.to_bytes())
+    repo._storage.write(f"snapshots/{snap.id}", snap.to_bytes())
     return snap.id
 
 
@@ -346,7 +346,7 @@ def test_nan_and_inf_metrics_and_metadata_survive_a_commit(repo: ins.Repository)
     metrics = {"loss": math.nan, "best": math.inf, "worst": -math.inf, "acc": 0.5}
     metadata = {"trial": {"score": math.nan, "list": [math.inf, 1]}, "name": "x"}
     info = repo.save({"w": np.ones(3, np.float32)}, metrics=metrics, metadata=metadata)
-    raw = repo.storage.read(f"snapshots/{info.id}")
+    raw = repo._storage.read(f"snapshots/{info.id}")
     json.loads(raw, parse_constant=lambda name: pytest.fail(f"non-strict JSON {name}"))
     back = ins.open(repo.url).snapshot(info.id)
     assert math.isnan(back.metrics["loss"]) and back.metrics["best"] == math.inf
@@ -469,10 +469,10 @@ def test_zstd_object_whose_frame_declares_a_huge_size(repo: ins.Repository) -> N
     payload = b"\0" * 1000
     oid = manifest.content_id(payload)
     hostile = _huge_frame(2**62, payload)
-    repo.storage.write(cas.object_path(oid),
+    repo._storage.write(cas.object_path(oid),
                        _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, 1000, None, hostile))
     with pytest.raises(IntegrityError, match=oid):
-        cas.ObjectStore(repo.storage).get(oid)
+        cas.ObjectStore(repo._storage).get(oid)
 
 
 def test_sparse_limit_constants_are_documented() -> None:

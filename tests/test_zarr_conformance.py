@@ -73,7 +73,7 @@ class TestInshrinkStoreConformance(StoreTests[InshrinkStore, cpu.Buffer]):
 
     @pytest.fixture
     def store_kwargs(self, repo: ins.Repository) -> dict[str, Any]:
-        return {"view": PendingChunks(repo.objects)}
+        return {"view": PendingChunks(repo._objects)}
 
     @pytest.fixture
     def store(self, open_kwargs: dict[str, Any]) -> InshrinkStore:

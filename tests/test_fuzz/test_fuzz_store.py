@@ -38,7 +38,7 @@ def _build() -> tuple[dict[str, bytes], str]:
     repo.save({**state, "model/w": w2}, quantize=plan, dtypes={"bits": "BF16"},
               metrics={"loss": float("nan")})
     head = repo.resolve("main")
-    files = {path: repo.storage.read(path) for path in repo.storage.list("")}
+    files = {path: repo._storage.read(path) for path in repo._storage.list("")}
     _clear(url)
     return files, head
 

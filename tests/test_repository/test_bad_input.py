@@ -36,7 +36,7 @@ def test_missing_store_suggests_init(kind: str, request: pytest.FixtureRequest) 
 
 def test_init_twice_is_an_error(memory_url: str) -> None:
     ins.init(memory_url)
-    with pytest.raises(ins.FormatError, match="existing inshrink store"):
+    with pytest.raises(ins.AlreadyExistsError, match="existing inshrink store"):
         ins.init(memory_url)
     assert ins.open(memory_url).branches() == {}
 
@@ -67,7 +67,7 @@ def test_ambiguous_and_unique_prefixes(repo: ins.Repository) -> None:
             break
         by_prefix[doc.id[:4]] = doc
     for doc in twins:
-        repo.storage.write(f"snapshots/{doc.id}", doc.to_bytes())
+        repo._storage.write(f"snapshots/{doc.id}", doc.to_bytes())
     with pytest.raises(ins.FormatError, match="matches 2 snapshots") as info:
         repo.resolve(twins[0].id[:4])
     assert "give more digits" in str(info.value)
@@ -144,14 +144,14 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _objects(repo: ins.Repository) -> set[str]:
-    return set(repo.storage.list("objects"))
+    return set(repo._storage.list("objects"))
 
 
 def test_unchanged_state_adds_no_objects_or_trees(repo: ins.Repository) -> None:
     state = repo.load("main")
-    listing = repo.storage.list("")
+    listing = repo._storage.list("")
     info = repo.save(state, message="same again")
-    added = sorted(set(repo.storage.list("")) - set(listing))
+    added = sorted(set(repo._storage.list("")) - set(listing))
     assert added == [f"refs/branches/main/{2:012d}", f"snapshots/{info.id}"]
     assert repo.snapshot(info.parent).root == info.root  # identical root tree: diff is free
 
@@ -238,10 +238,10 @@ def test_non_finite_metrics_and_metadata_keep_the_checkpoint(memory_url: str, va
 ])
 def test_bad_commit_fields_are_refused_before_anything_is_written(memory_url: str, kwargs: dict) -> None:
     repo = ins.open(memory_url, create=True)
-    before = repo.storage.list("")
+    before = repo._storage.list("")
     with pytest.raises(ins.FormatError):
         repo.save({"w": np.ones(3, np.float32)}, **kwargs)
-    assert repo.storage.list("") == before
+    assert repo._storage.list("") == before
 
 
 def test_quantize_must_be_a_planner(memory_url: str) -> None:
@@ -274,14 +274,14 @@ def test_verify_reports_a_bad_array_document(memory_url: str) -> None:
 
     repo = ins.open(memory_url, create=True)
     info = repo.save({"w": np.ones(3, np.float32)})
-    root = load_root(repo.objects, info.root)
-    node = load_node(repo.objects, root.nodes["w"])
+    root = load_root(repo._objects, info.root)
+    node = load_node(repo._objects, root.nodes["w"])
     bad = NodeTree(metadata='{"zarr_format": 3, "node_type": "array", "shape": "huge"}', chunks=node.chunks)
-    repo.storage.write(tree_path(bad.id), bad.to_bytes())
+    repo._storage.write(tree_path(bad.id), bad.to_bytes())
     new_root = RootTree(nodes={**root.nodes, "w": bad.id})
-    repo.storage.write(tree_path(new_root.id), new_root.to_bytes())
+    repo._storage.write(tree_path(new_root.id), new_root.to_bytes())
     snap = Snapshot(root=new_root.id, parent=info.id, time=info.time)
-    repo.storage.write(f"snapshots/{snap.id}", snap.to_bytes())
-    repo.storage.create_exclusive("refs/branches/main/000000000001", snap.id.encode())
+    repo._storage.write(f"snapshots/{snap.id}", snap.to_bytes())
+    repo._storage.create_exclusive("refs/branches/main/000000000001", snap.id.encode())
     report = repo.verify()
     assert not report.ok and any("w" in p.error for p in report.problems)

@@ -37,7 +37,7 @@ def _chunk(repo: ins.Repository, tensor: str, ref: str = "main") -> str:
 
 
 def _rewrite(repo: ins.Repository, path: str, change) -> None:  # type: ignore[no-untyped-def]
-    repo.storage.write(path, change(bytearray(repo.storage.read(path))))
+    repo._storage.write(path, change(bytearray(repo._storage.read(path))))
 
 
 def _fresh(repo: ins.Repository) -> ins.Repository:
@@ -72,12 +72,12 @@ def test_every_single_byte_flip_of_an_object_is_caught(memory_url: str) -> None:
     repo.save({"b": np.arange(5, dtype=np.int64)})
     oid = _chunk(repo, "b")
     path = cas.object_path(oid)
-    good = repo.storage.read(path)
+    good = repo._storage.read(path)
     for offset in range(len(good)):
         _rewrite(repo, path, _flip(offset))
         with pytest.raises(ins.IntegrityError, match=oid):
-            cas.ObjectStore(repo.storage).get(oid)
-        repo.storage.write(path, good)
+            cas.ObjectStore(repo._storage).get(oid)
+        repo._storage.write(path, good)
     np.testing.assert_array_equal(_fresh(repo).checkout("main").read("b"), np.arange(5))
 
 
@@ -109,7 +109,7 @@ def test_truncated_object(repo: ins.Repository) -> None:
 
 def test_missing_object(repo: ins.Repository) -> None:
     oid = _chunk(repo, "w")
-    repo.storage.delete(cas.object_path(oid))
+    repo._storage.delete(cas.object_path(oid))
     with pytest.raises(ins.NotFoundError) as info:
         _fresh(repo).checkout("main").read("w")
     assert oid in str(info.value) and "'w/c/0/0'" in str(info.value)
@@ -154,22 +154,22 @@ def _quantized(seed: int, changed: int = 0) -> bytes:
 
 def test_corrupt_delta_base_and_chain_loop(memory_url: str) -> None:
     repo = ins.open(memory_url, create=True)
-    objects = repo.objects
+    objects = repo._objects
     base = objects.put(_quantized(7)).oid
     child = objects.put(_quantized(7, changed=20), base=base)
     assert child.kind == cas.KIND_DELTA
-    assert cas.ObjectStore(repo.storage).get(child.oid) == _quantized(7, changed=20)
+    assert cas.ObjectStore(repo._storage).get(child.oid) == _quantized(7, changed=20)
 
     _rewrite(repo, cas.object_path(base), _flip(cas.HEADER_SIZE + 1))
     with pytest.raises(ins.IntegrityError, match=base):
-        cas.ObjectStore(repo.storage).get(child.oid)
+        cas.ObjectStore(repo._storage).get(child.oid)
 
     # two deltas naming each other as base: a loop is an error, never a hang
     a, b = "a" * 32, "b" * 32
     body = b"\x00" * 8
     for oid, other in ((a, b), (b, a)):
-        repo.storage.write(cas.object_path(oid), cas._frame(cas.KIND_DELTA, 0, 1, body, other, body))
+        repo._storage.write(cas.object_path(oid), cas._frame(cas.KIND_DELTA, 0, 1, body, other, body))
     with pytest.raises(ins.IntegrityError, match="one deeper than its base"):
-        cas.ObjectStore(repo.storage).get(a)
+        cas.ObjectStore(repo._storage).get(a)
     with pytest.raises(ins.IntegrityError, match="loop"):
-        cas.ObjectStore(repo.storage).chain(a)
+        cas.ObjectStore(repo._storage).chain(a)

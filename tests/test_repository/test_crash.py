@@ -55,7 +55,7 @@ def _check_after_crash(url: str, committed: list[str]) -> None:
     assert repo.verify().ok
     # a writer lease left behind is recognised as dead at once (same machine, process gone),
     # so gc fences it off instead of refusing for an hour
-    assert all(lease.process_gone() for lease in leases.writers(repo.storage))
+    assert all(lease.process_gone() for lease in leases.writers(repo._storage))
     repo.gc(stale_after=0)  # stale_after=0: also the crash's young temp files
     assert repo.verify().ok
     assert (repo.log() if log else []) == log

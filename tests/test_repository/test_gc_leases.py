@@ -22,7 +22,6 @@ import pytest
 
 import inshrink_store as ins
 from inshrink_store import leases
-from inshrink_store.maintenance import GarbageCollector
 
 
 def _state(seed: int) -> dict[str, np.ndarray]:
@@ -61,7 +60,7 @@ def _foreign_lease(repo: ins.Repository, prefix: str, token: str, *, count: int 
     doc = {"token": token, "kind": kind, "host": "elsewhere", "node": "elsewhere:boot:ns", "pid": 4242,
            "started": None, "created": leases.CLOCK.wall() - renewed_ago,
            "renewed": leases.CLOCK.wall() - renewed_ago, "count": count}
-    repo.storage.write(path, json.dumps(doc).encode())
+    repo._storage.write(path, json.dumps(doc).encode())
     return path
 
 
@@ -70,26 +69,26 @@ def test_gc_refuses_while_a_commit_is_in_progress(store_url: str) -> None:
     repo.save(_state(0), message="v0")
     tx = repo.transaction("main")
     tx.write(_state(1))  # objects written, not reachable yet
-    before = repo.storage.list("")
+    before = repo._storage.list("")
     with pytest.raises(ins.ConflictError, match="writer lease"):
         repo.gc()
-    assert repo.storage.list("") == before  # nothing deleted, no gc lease left behind
+    assert repo._storage.list("") == before  # nothing deleted, no gc lease left behind
     info = tx.commit(message="v1")
     assert repo.gc().deleted["objects"] == []
     assert repo.verify().ok
     np.testing.assert_array_equal(repo.load(info.id)["model/w"], _state(1)["model/w"])
-    assert leases.writers(repo.storage) == []
+    assert leases.writers(repo._storage) == []
 
 
 def test_a_commit_waits_then_refuses_while_gc_runs(memory_url: str, clock: FakeClock) -> None:
     repo = ins.open(memory_url, create=True)
     head = repo.save(_state(0)).id
-    gc = GarbageCollector(repo, keep_alive=False)
+    gc = repo.garbage_collector(keep_alive=False)
     gc.start()
-    before = repo.storage.list("")
+    before = repo._storage.list("")
     with pytest.raises(ins.GcRunningError, match="gc running"):
         repo.save(_state(1), gc_wait=0)
-    assert repo.storage.list("") == before  # refused before writing anything
+    assert repo._storage.list("") == before  # refused before writing anything
     assert repo.resolve("main") == head
     gc.finish()
     assert repo.save(_state(1), gc_wait=0).parent == head
@@ -100,29 +99,29 @@ def test_second_gc_refuses_and_never_touches_the_first_gcs_lease(memory_url: str
     so the first ran unprotected and deleted a commit made meanwhile."""
     repo = ins.open(memory_url, create=True)
     repo.save(_state(0))
-    first = GarbageCollector(repo, keep_alive=False)
+    first = repo.garbage_collector(keep_alive=False)
     first.start()
     with pytest.raises(ins.ConflictError, match="other gc"):
         repo.gc()
-    assert repo.storage.exists(first.lease.path)  # untouched by the refused gc
+    assert repo._storage.exists(first.lease.path)  # untouched by the refused gc
     with pytest.raises(ins.GcRunningError):
         repo.save(_state(1), gc_wait=0)  # still protects writers
     first.mark()
     first.sweep()
     first.finish()
-    assert leases.gc_runs(repo.storage) == []
+    assert leases.gc_runs(repo._storage) == []
 
 
 def test_an_unreadable_gc_lease_is_never_deleted_for_being_unreadable(memory_url: str, clock: FakeClock) -> None:
     repo = ins.open(memory_url, create=True)
     repo.save(_state(0))
     torn = f"{leases.GC}/00000000000000001-torn"
-    repo.storage.write(torn, b"\x00not json")
+    repo._storage.write(torn, b"\x00not json")
     with pytest.raises(ins.ConflictError, match="other gc"):
         repo.gc()
     with pytest.raises(ins.GcRunningError):
         repo.save(_state(1), gc_wait=0)
-    assert repo.storage.read(torn) == b"\x00not json"
+    assert repo._storage.read(torn) == b"\x00not json"
 
 
 def test_a_long_gc_keeps_protecting_writers_whatever_its_wall_age(memory_url: str, clock: FakeClock) -> None:
@@ -130,7 +129,7 @@ def test_a_long_gc_keeps_protecting_writers_whatever_its_wall_age(memory_url: st
     protecting writers. Renewals, not ages, say a gc is alive."""
     repo = ins.open(memory_url, create=True)
     repo.save(_state(0))
-    gc = GarbageCollector(repo, keep_alive=False)
+    gc = repo.garbage_collector(keep_alive=False)
     gc.start()
     for _ in range(50):  # 50 x 5 s of renewals: far past any wall-clock bound
         clock.sleep(5)
@@ -151,10 +150,10 @@ def test_a_dead_remote_gc_is_recognised_after_expiry_without_renewal(memory_url:
     info = repo.save(_state(1), gc_wait=2 * leases.EXPIRY, on_wait=messages.append)
     assert info.parent == head and messages and "waiting for gc" in messages[0]
     token = path.rsplit("/", 1)[-1]
-    assert repo.storage.exists(f"{leases.BROKEN}/{token}")  # marked, so nobody waits again
+    assert repo._storage.exists(f"{leases.BROKEN}/{token}")  # marked, so nobody waits again
     repo.save(_state(2), gc_wait=0)
     report = repo.gc()
-    assert path in report.deleted["leases"] and not repo.storage.exists(path)
+    assert path in report.deleted["leases"] and not repo._storage.exists(path)
 
 
 def test_a_paused_gc_stops_once_its_lease_lapsed(memory_url: str, clock: FakeClock) -> None:
@@ -165,18 +164,18 @@ def test_a_paused_gc_stops_once_its_lease_lapsed(memory_url: str, clock: FakeClo
     tx = repo.transaction("main")
     tx.write(_state(1))
     tx.abort()  # garbage for the gc to find
-    gc = GarbageCollector(repo, keep_alive=False)
+    gc = repo.garbage_collector(keep_alive=False)
     gc.start()
     report = gc.mark()
     assert report.deleted["objects"]
     # the gc process stalls; a writer watches its lease go unrenewed, breaks it and commits
     info = repo.save(_state(2), gc_wait=3 * leases.EXPIRY)
-    before = repo.storage.list("")
+    before = repo._storage.list("")
     with pytest.raises(ins.ConflictError, match="lapsed"):
         gc.sweep()
-    assert repo.storage.list("") == before  # deleted nothing
+    assert repo._storage.list("") == before  # deleted nothing
     gc.finish()  # which removes only its own lease file
-    assert set(before) - set(repo.storage.list("")) == {gc.lease.path}
+    assert set(before) - set(repo._storage.list("")) == {gc.lease.path}
     np.testing.assert_array_equal(repo.load(info.id)["model/w"], _state(2)["model/w"])
     assert repo.verify().ok
 
@@ -192,7 +191,7 @@ def test_a_writer_judged_dead_cannot_publish(memory_url: str, clock: FakeClock) 
     report = repo.gc()
     assert tx.lease is not None and tx.lease.path in report.deleted["leases"]
     fence = f"{leases.FENCES}/{tx.lease.token}"
-    assert fence not in report.deleted["leases"] and repo.storage.exists(fence)  # what stops it
+    assert fence not in report.deleted["leases"] and repo._storage.exists(fence)  # what stops it
     with pytest.raises(ins.LeaseBrokenError, match="nothing was published"):
         tx.commit(message="too late")
     tx.abort()
@@ -205,7 +204,7 @@ def test_a_publishing_writer_is_never_broken(memory_url: str, clock: FakeClock) 
     repo.save(_state(0))
     tx = repo.transaction("main")
     tx.write(_state(1))
-    leases.fence_for_commit(repo.storage, tx.lease)  # the writer is between fence and ref
+    leases.fence_for_commit(repo._storage, tx.lease)  # the writer is between fence and ref
     clock.now += leases.STALE_AFTER + 1
     with pytest.raises(ins.ConflictError, match="writer lease"):
         repo.gc()
@@ -246,7 +245,7 @@ def test_tags_and_branches_are_published_like_commits(memory_url: str, clock: Fa
     first = repo.save(_state(0)).id
     repo.save(_state(1))
     repo.save(_state(2))
-    gc = GarbageCollector(repo, keep_last=1, keep_alive=False)
+    gc = repo.garbage_collector(keep_last=1, keep_alive=False)
     gc.start()
     with pytest.raises(ins.GcRunningError):
         repo.tag("old", first, gc_wait=0)
@@ -267,7 +266,7 @@ def test_dangling_refs_are_reported_and_tags_can_be_deleted(memory_url: str) -> 
     sid = repo.save(_state(0)).id
     repo.save(_state(1))
     repo.tag("best", sid)
-    repo.storage.delete(f"snapshots/{sid}")  # what a hand-edited or half-restored store looks like
+    repo._storage.delete(f"snapshots/{sid}")  # what a hand-edited or half-restored store looks like
     report = repo.gc()
     assert f"tag best -> {sid} (snapshot missing)" in report.dangling  # (and main's first ref file)
     assert repo.delete_tag("best") == sid
@@ -282,7 +281,7 @@ def test_delete_branch(memory_url: str) -> None:
     dev = repo.create_branch("dev")
     repo.save(_state(1), branch="dev")
     assert repo.delete_branch("dev") != dev and "dev" not in repo.branches()
-    assert not repo.storage.list("refs/branches/dev")
+    assert not repo._storage.list("refs/branches/dev")
     report = repo.gc()
     assert len(report.deleted["snapshots"]) == 1  # dev's own version; main's stays
     with pytest.raises(ins.NotFoundError, match="no such branch"):
@@ -293,7 +292,7 @@ def test_a_failed_save_releases_its_lease(memory_url: str) -> None:
     repo = ins.open(memory_url, create=True)
     with pytest.raises(ins.FormatError):
         repo.save({"bad/../name": np.zeros(2, np.float32)})
-    assert leases.writers(repo.storage) == []
+    assert leases.writers(repo._storage) == []
     repo.gc()
 
 
@@ -309,7 +308,7 @@ def test_cli_gc_exit_1_names_the_writer(local_url: str) -> None:
     tx.abort()
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert leases.writers(repo.storage) == []
+    assert leases.writers(repo._storage) == []
 
 
 @pytest.mark.parametrize("backend", ["memory", "local"])

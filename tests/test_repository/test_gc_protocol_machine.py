@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import inshrink_store as ins
 from inshrink_store import leases
-from inshrink_store.maintenance import GarbageCollector
+from inshrink_store.admin import GarbageCollector
 
 
 class _Clock(leases.Clock):
@@ -117,7 +117,7 @@ class GcProtocolMachine(RuleBasedStateMachine):
     # -- gc -----------------------------------------------------------------------------
     @rule(keep_last=st.sampled_from([None, 1, 2]), wait=st.sampled_from([0.0, leases.EXPIRY]))
     def gc_starts(self, keep_last: int | None, wait: float) -> None:
-        gc = GarbageCollector(self.repo, keep_last, wait=wait, keep_alive=False)
+        gc = self.repo.garbage_collector(keep_last, wait=wait, keep_alive=False)
         try:
             gc.start()
         except ins.ConflictError:

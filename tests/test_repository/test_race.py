@@ -136,7 +136,7 @@ def test_memory_exclusive_create_is_atomic(memory_url: str, monkeypatch: pytest.
 
     def create(data: bytes) -> None:
         try:
-            repo.storage.create_exclusive("race-target", data)
+            repo._storage.create_exclusive("race-target", data)
             outcomes.append("created")
         except FileExistsError:
             outcomes.append("exists")

@@ -544,7 +544,7 @@ def test_base_package_imports_without_torch() -> None:
         import numpy as np
         import inshrink_store
         import inshrink_store.repository
-        import inshrink_store.maintenance
+        import inshrink_store.admin
         import inshrink_store.policy
         import inshrink_store._cli
         repo = inshrink_store.open("memory://no-torch-check", create=True)

@@ -1,0 +1,15 @@
+"""Whole-store operations over the typed parts of a store: diff, verify, gc and du.
+
+``Repository`` delegates to these; each module owns one operation and its report.
+"""
+
+from inshrink_store.admin.diff import DiffReport, TensorChange, diff
+from inshrink_store.admin.du import UsageRow, du, stored_bytes
+from inshrink_store.admin.gc import GarbageCollector, GcReport, gc
+from inshrink_store.admin.reachability import Reachable, reachable
+from inshrink_store.admin.verify import Problem, VerifyReport, verify
+
+__all__ = [
+    "DiffReport", "GarbageCollector", "GcReport", "Problem", "Reachable", "TensorChange", "UsageRow",
+    "VerifyReport", "diff", "du", "gc", "reachable", "stored_bytes", "verify",
+]

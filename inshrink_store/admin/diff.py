@@ -1,0 +1,96 @@
+"""diff: per-tensor changes between two versions, from their trees (values on request)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from inshrink_store.arrays import SnapshotReader
+from inshrink_store.layout import object_path
+from inshrink_store.parts import StoreParts
+
+
+@dataclass
+class TensorChange:
+    path: str
+    status: str  # added | removed | changed | unchanged
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    chunks_changed: int = 0
+    chunks_total: int = 0
+    new_bytes: int = 0
+    storage_b: str | None = None
+    max_abs_change: float | None = None
+    rel_l2_change: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    tensors: list[TensorChange]
+
+    def by_status(self, status: str) -> list[TensorChange]:
+        return [t for t in self.tensors if t.status == status]
+
+    @property
+    def new_bytes(self) -> int:
+        return sum(t.new_bytes for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {s: len(self.by_status(s)) for s in ("added", "removed", "changed", "unchanged")}
+        return {"a": self.a, "b": self.b, "counts": counts, "new_bytes": self.new_bytes,
+                "tensors": [t.to_dict() for t in self.tensors]}
+
+
+def diff(parts: StoreParts, ref_a: str, ref_b: str, *, values: bool = False) -> DiffReport:
+    a, b = parts.checkout(ref_a), parts.checkout(ref_b)
+    infos_a, infos_b = a.arrays(), b.arrays()
+    objects_a = {oid for info in infos_a.values() for oid in info.chunk_ids.values()}
+    sizes = parts.storage.list("objects")
+    out = []
+    for path in sorted(set(infos_a) | set(infos_b)):
+        ia, ib = infos_a.get(path), infos_b.get(path)
+        change = TensorChange(path, "unchanged")
+        if ia is not None:
+            change.shape_a, change.dtype_a = ia.shape, ia.dtype
+        if ib is not None:
+            change.shape_b, change.dtype_b, change.storage_b = ib.shape, ib.dtype, ib.storage
+            change.chunks_total = len(ib.chunk_ids)
+            fresh = {o for o in ib.chunk_ids.values() if o not in objects_a}
+            change.new_bytes = sum(sizes.get(object_path(o), 0) for o in fresh)
+        if ia is None:
+            change.status = "added"
+        elif ib is None:
+            change.status = "removed"
+        else:
+            differing = {k for k in set(ia.chunk_ids) | set(ib.chunk_ids)
+                         if ia.chunk_ids.get(k) != ib.chunk_ids.get(k)}
+            change.chunks_changed = len(differing)
+            if differing or ia.shape != ib.shape or ia.dtype != ib.dtype:
+                change.status = "changed"
+            if values and ia.shape == ib.shape:
+                change.max_abs_change, change.rel_l2_change = _value_change(a, b, path)
+        out.append(change)
+    return DiffReport(a.id, b.id, out)
+
+
+def _value_change(a: SnapshotReader, b: SnapshotReader, path: str) -> tuple[float, float]:
+    va = a.read_float(path).astype(np.float64)
+    vb = b.read_float(path).astype(np.float64)
+    if va.size == 0:
+        return 0.0, 0.0
+    delta = vb - va
+    finite = np.isfinite(delta)
+    max_abs = float(np.max(np.abs(delta[finite]))) if finite.any() else math.nan
+    norm = float(np.linalg.norm(va[np.isfinite(va)]))
+    rel = float(np.linalg.norm(delta[finite]) / norm) if norm > 0 else (0.0 if max_abs == 0 else math.inf)
+    return max_abs, rel

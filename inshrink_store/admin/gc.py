@@ -1,0 +1,209 @@
+"""gc: delete what no ref reaches, safely beside any number of writers and gc runs.
+
+The protocol and why it never loses a version: docs/reference/format.md ("gc protocol").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inshrink_store import leases
+from inshrink_store.admin.reachability import reachable
+from inshrink_store.errors import ConflictError, FormatError, InshrinkError
+from inshrink_store.layout import BRANCHES, branch_ref_path, object_path, parse_branch_listing
+from inshrink_store.parts import StoreParts
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    kept_snapshots: int
+    deleted: dict[str, list[str]]
+    freed_bytes: int
+    #: refs naming a snapshot that does not exist: reported (see `inshrink verify`), never fatal
+    dangling: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "kept_snapshots": self.kept_snapshots,
+                "deleted": {k: len(v) for k, v in self.deleted.items()}, "freed_bytes": self.freed_bytes,
+                "dangling": list(self.dangling)}
+
+
+class GarbageCollector:
+    """One gc run in explicit steps: ``start`` (lease), ``mark``, ``sweep``, ``finish``.
+
+    ``run()`` does them in order; the steps exist so tests can interleave a gc with
+    writers, tags and other gc runs at every point where it talks to the store.
+
+    Why a run never loses a version (docs/reference/format.md has the full argument):
+    the lease is taken before writer leases are read, reachability is computed only
+    after every writer is known to be finished or fenced off, and each delete happens
+    only while the lease is valid by this process's own clock. Deletion goes top-down
+    (ref files, snapshots, trees, then objects, deltas before their bases), so a gc cut
+    short never leaves an existing document whose parts are gone — which is what lets
+    a writer trust "this object exists" when it dedups.
+    """
+
+    def __init__(self, parts: StoreParts, keep_last: int | None = None, *, stale_after: float = leases.STALE_AFTER,
+                 wait: float = 0.0, progress: Progress | None = None,
+                 on_wait: Callable[[str], None] | None = None, keep_alive: bool = True) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise FormatError(f"Expected keep_last to be an integer >= 1. Got {keep_last!r} instead.")
+        self.parts, self.keep_last, self.stale_after = parts, keep_last, stale_after
+        self.wait, self.progress, self.on_wait, self.keep_alive = wait, progress, on_wait, keep_alive
+        self.lease: leases.HeldLease | None = None
+        self.dead: list[leases.Lease] = []
+        self.report: GcReport | None = None
+        self._queue: list[str] = []
+        self._done = 0
+
+    def start(self) -> None:
+        self.lease, self.dead = leases.acquire_gc(
+            self.parts.storage, wait=self.wait, stale_after=self.stale_after, on_wait=self.on_wait)
+        if self.keep_alive:
+            self.lease.keep_alive()
+
+    def mark(self, *, dry_run: bool = False) -> GcReport:
+        """Decide what to delete (nothing is deleted here)."""
+        if not dry_run:
+            self._check_lease("marking")
+        self.report = _plan(self.parts, self.keep_last, self.dead, dry_run=dry_run, stale_after=self.stale_after)
+        self._queue = [p for group in ("refs", "snapshots", "trees", "objects", "temp", "leases")
+                       for p in self.report.deleted[group]]
+        return self.report
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete up to ``limit`` more paths (all by default); returns how many are left."""
+        storage = self.parts.storage
+        stop = len(self._queue) if limit is None else min(len(self._queue), self._done + limit)
+        while self._done < stop:
+            self._check_lease("deleting")
+            path = self._queue[self._done]
+            storage.delete(path)
+            self._done += 1
+            if self.progress:
+                self.progress(path, self._done, len(self._queue))
+        return len(self._queue) - self._done
+
+    def finish(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    def run(self, *, dry_run: bool = False) -> GcReport:
+        if dry_run:
+            return self.mark(dry_run=True)
+        self.start()
+        try:
+            report = self.mark()
+            self.sweep()
+            return report
+        finally:
+            self.finish()
+
+    def _check_lease(self, doing: str) -> None:
+        lease = self.lease
+        if lease is None:
+            raise ConflictError("Expected gc to hold its lease. Got none: call start() first.")
+        if not lease.keep_alive_running():
+            lease.renew()  # no keeper thread (tests): renew here, which refuses once lapsed
+        if not lease.valid():
+            raise ConflictError(
+                f"Expected gc's lease {lease.path} on {self.parts.url!r} to be valid while {doing}. "
+                "Got it lapsed (not renewed in time) or broken by a writer that judged this gc "
+                "dead instead; gc stopped. What it deleted so far was unreachable garbage; run "
+                "gc again."
+            )
+
+
+def gc(parts: StoreParts, keep_last: int | None = None, *, dry_run: bool = False,
+       progress: Progress | None = None, stale_after: float = leases.STALE_AFTER,
+       wait: float = 0.0, on_wait: Callable[[str], None] | None = None) -> GcReport:
+    """Delete unreachable snapshots, trees, objects, stale ref files and dead leases.
+
+    Safe beside any number of writers, tag/branch creations and other gc runs (see
+    :class:`GarbageCollector`). Refuses with ``ConflictError`` (nothing deleted) while a
+    commit is in progress or another gc runs, after waiting up to ``wait`` seconds. A
+    writer lease unrenewed for ``stale_after`` seconds (or whose process is gone) is
+    fenced off: that writer can no longer publish. A dry run takes no lease.
+    """
+    return GarbageCollector(parts, keep_last, stale_after=stale_after, wait=wait, progress=progress,
+                            on_wait=on_wait).run(dry_run=dry_run)
+
+
+def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *, dry_run: bool,
+          stale_after: float) -> GcReport:
+    live = reachable(parts, keep_last, progress=None)
+    keep_objects: set[str] = set()
+    for oid in live.objects:
+        try:
+            keep_objects.update(parts.objects.chain(oid))
+        except InshrinkError:
+            keep_objects.add(oid)
+    storage = parts.storage
+    listing = storage.list("")
+    deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "objects": []}
+    garbage_objects: list[str] = []
+    for path in listing:
+        kind, _, rest = path.partition("/")
+        ident = rest.replace("/", "")
+        if kind == "snapshots" and rest not in live.snapshots:
+            deleted["snapshots"].append(path)
+        elif kind == "trees" and ident not in live.trees:
+            deleted["trees"].append(path)
+        elif kind == "objects" and ident not in keep_objects:
+            garbage_objects.append(ident)
+    deleted["objects"] = [object_path(oid) for oid in _deltas_first(parts, garbage_objects)]
+    for branch, seqs in parse_branch_listing([p for p in listing if p.startswith(BRANCHES + "/")]).items():
+        for seq in seqs[:-1]:  # the highest seq stays: it is the branch head and the commit counter
+            path = branch_ref_path(branch, seq)
+            try:
+                target = parts.refs.read(path)
+            except (FileNotFoundError, InshrinkError):
+                continue  # a malformed old ref file is verify's to report, not gc's to guess
+            if target not in live.snapshots:
+                deleted["refs"].append(path)
+    temp = _temp_leftovers(storage, stale_after)
+    deleted["temp"] = sorted(temp)
+    if dry_run:
+        dead = [w for w in leases.writers(storage) if w.process_gone() or w.wall_age() >= stale_after]
+    deleted["leases"] = leases.leftovers(storage, dead)
+    listing = {**listing, **temp}
+    freed = sum(listing.get(p, 0) for group in deleted.values() for p in group)
+    return GcReport(dry_run, len(live.snapshots), deleted, freed, live.dangling)
+
+
+def _deltas_first(parts: StoreParts, oids: list[str]) -> list[str]:
+    """Garbage objects deepest delta first, so a gc cut short never strands a delta without
+    its base (a writer that dedups against an existing object must be able to read it)."""
+    def depth(oid: str) -> int:
+        try:
+            return int(parts.objects.header(oid).depth)
+        except InshrinkError:
+            return 1 << 30  # unreadable: delete it first, nothing can use it
+    return sorted(oids, key=lambda oid: (-depth(oid), oid))
+
+
+def _temp_leftovers(storage: Any, stale_after: float) -> dict[str, int]:
+    """Temp files of local atomic writes that a crash interrupted (``list`` hides them).
+
+    Only those older than ``stale_after``: a younger one may be a write in progress (a
+    writer's lease is itself written through a temp file, before gc can see the lease)."""
+    if not storage.is_local:
+        return {}
+    found = storage.fs.find(storage.root, detail=True)
+    now = time.time()
+    out = {}
+    for name, info in found.items():
+        rel = storage._relative(name)
+        if rel is None or ".tmp-" not in rel:
+            continue
+        mtime = info.get("mtime")
+        if mtime is not None and now - float(mtime) < stale_after:
+            continue
+        out[rel] = int(info.get("size") or 0)
+    return out

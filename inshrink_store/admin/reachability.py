@@ -1,0 +1,86 @@
+"""What the refs keep: the snapshots, trees and objects gc must not delete and verify checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inshrink_store.errors import InshrinkError
+from inshrink_store.parts import StoreParts
+from inshrink_store.zarr_store import load_node, load_root
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class Reachable:
+    snapshots: set[str] = field(default_factory=set)
+    trees: set[str] = field(default_factory=set)
+    objects: dict[str, set[tuple[str, str]]] = field(default_factory=dict)  # oid -> {(snap, tensor)}
+    #: refs whose snapshot is missing ("tag best -> 1f2e..."): reported, never fatal
+    dangling: list[str] = field(default_factory=list)
+
+
+def _ref_targets(parts: StoreParts, keep_last: int | None) -> dict[str, str]:
+    """Every ref gc must honour, as 'tag NAME' / 'branch NAME' / a ref file path -> snapshot id."""
+    targets = {f"tag {name}": sid for name, sid in parts.refs.tags().items()}
+    targets.update({f"branch {name}": sid for name, sid in parts.refs.branches().items()})
+    if keep_last is None:  # old ref files also name versions (e.g. before a restore)
+        targets.update(parts.refs.all_ref_files())
+    return targets
+
+
+def snapshot_closure(parts: StoreParts, keep_last: int | None, dangling: list[str] | None = None) -> set[str]:
+    """Snapshots kept: every tag's, and per branch the head's history (its last N if asked);
+    without ``keep_last``, also the history of every older ref file of a branch.
+
+    A ref naming a missing snapshot is listed in ``dangling`` (when given) and skipped."""
+    kept: set[str] = set()
+    heads = {f"branch {name}" for name in parts.refs.branches()}
+    for name, sid in _ref_targets(parts, keep_last).items():
+        if dangling is not None and not parts.history.exists(sid):
+            if name in heads or name.startswith("tag ") or keep_last is None:
+                dangling.append(f"{name} -> {sid} (snapshot missing)")
+            continue
+        limit = keep_last if name in heads else (1 if name.startswith("tag ") else None)
+        _walk(parts, sid, kept, limit)
+    return kept
+
+
+def _walk(parts: StoreParts, start: str, kept: set[str], limit: int | None) -> None:
+    """Add ``start`` and up to ``limit`` - 1 ancestors to ``kept``.
+
+    ``start`` is always added (a ref naming a missing or corrupt snapshot is a problem
+    verify must report); a missing *parent* is history an earlier ``gc(keep_last=...)``
+    removed, so the walk ends there instead of naming a snapshot that no longer exists.
+    """
+    current: str | None = start
+    count = 0
+    while current is not None and (limit is None or count < limit):
+        if limit is None and count and current in kept:
+            return  # the rest of this history is already kept
+        kept.add(current)
+        count += 1
+        try:
+            parent = parts.history.get(current).parent
+        except InshrinkError:
+            return
+        if parent is not None and not parts.history.exists(parent):
+            return
+        current = parent
+
+
+def reachable(parts: StoreParts, keep_last: int | None = None, progress: Progress | None = None) -> Reachable:
+    dangling: list[str] = []
+    out = Reachable(snapshots=snapshot_closure(parts, keep_last, dangling), dangling=dangling)
+    for i, sid in enumerate(sorted(out.snapshots)):
+        info = parts.history.get(sid)
+        out.trees.add(info.root)
+        root = load_root(parts.objects, info.root)
+        for path, tid in root.nodes.items():
+            out.trees.add(tid)
+            for oid in load_node(parts.objects, tid).chunks.values():
+                out.objects.setdefault(oid, set()).add((sid, path))
+        if progress:
+            progress(sid, i + 1, len(out.snapshots))
+    return out

@@ -1,0 +1,79 @@
+"""The typed parts of one open store, shared by the facade, the write session and admin.
+
+``Repository`` is a short facade over a :class:`StoreParts`; ``admin`` (diff, verify, gc,
+du) and the write session take the parts they need, typed, instead of a whole repository.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inshrink_store.arrays import SnapshotReader
+from inshrink_store.cas import ObjectStore
+from inshrink_store.errors import FormatError, NotFoundError
+from inshrink_store.history import History, SnapshotInfo
+from inshrink_store.refs import Refs, maybe_name, parse_expression
+from inshrink_store.storage import Storage
+from inshrink_store.zarr_store import SnapshotChunks
+
+DEFAULT_BRANCH = "main"
+
+
+@dataclass(frozen=True)
+class StoreParts:
+    storage: Storage
+    objects: ObjectStore
+    refs: Refs
+    history: History
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def resolve(self, ref: str) -> str:
+        """Branch, tag, snapshot id or unique id prefix, with ``~N`` / ``^`` suffixes."""
+        base, back = parse_expression(ref)
+        snapshot_id = self._resolve_base(base)
+        for i in range(back):
+            parent = self.history.get(snapshot_id).parent
+            if parent is None:
+                raise NotFoundError(
+                    f"Expected {ref!r} to name a version. Got a history only {i} versions deep "
+                    f"before {base!r} instead."
+                )
+            snapshot_id = parent
+        if back:
+            self.history.get(snapshot_id)  # gc may have cut history here: NotFoundError
+        return snapshot_id
+
+    def _resolve_base(self, base: str) -> str:
+        head = self.refs.head(base) if maybe_name(base) else None
+        if head is not None:
+            return head[1]
+        tagged = self.refs.tag_target(base)
+        if tagged is not None:
+            return tagged
+        if all(c in "0123456789abcdef" for c in base) and len(base) >= 4:
+            if len(base) == 32 and self.history.exists(base):
+                return base
+            matches = [s for s in self.history.ids() if s.startswith(base)]
+            if len(matches) == 1:
+                return matches[0]
+            if len(matches) > 1:
+                raise FormatError(
+                    f"Expected a unique snapshot id prefix. Got {base!r}, which matches "
+                    f"{len(matches)} snapshots instead; give more digits."
+                )
+        known = ", ".join(sorted(self.refs.branch_seqs())) or "none"
+        raise NotFoundError(
+            f"Expected a branch, tag or snapshot id in {self.url!r}. Got {base!r} instead "
+            f"(branches: {known}; see `inshrink log`)."
+        )
+
+    def reader(self, info: SnapshotInfo, objects: ObjectStore | None = None) -> SnapshotReader:
+        """A lazy reader of one version (``objects``: e.g. a fresh, uncached store for verify)."""
+        store = objects or self.objects
+        return SnapshotReader(info, SnapshotChunks(store, info.root, info.id))
+
+    def checkout(self, ref: str = DEFAULT_BRANCH) -> SnapshotReader:
+        return self.reader(self.history.get(self.resolve(ref)))

@@ -1,0 +1,210 @@
+"""The write session: one writable version, committed once, owning its writer lease.
+
+Use it as a context manager: it commits nothing by itself, aborts (releases the lease)
+on an error, and refuses a second commit::
+
+    with repo.transaction("main") as tx:
+        tx.write({"model/w": w})
+        tx.commit(message="step 10", step=10)
+
+Commit order (docs/reference/format.md, "Commit protocol"): objects (during ``write``),
+trees, snapshot, the fence, then the ref; a crash anywhere leaves only garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from inshrink_store import leases
+from inshrink_store.arrays import ArrayPlan, previous_codecs, write_arrays
+from inshrink_store.errors import ConflictError, FormatError
+from inshrink_store.history import SnapshotInfo
+from inshrink_store.layout import snapshot_path, tree_path
+from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
+from inshrink_store.parts import StoreParts
+from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
+
+Progress = Callable[[str, int, int], None]
+#: attempts at a rebased commit before giving up (each lost race re-reads the head)
+MAX_REBASES = 8
+
+
+class Planner(Protocol):
+    """What ``save(quantize=...)`` needs; the policy layer implements it (dependency points down)."""
+
+    def plan(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        dtypes: Mapping[str, str],
+        previous: Mapping[str, dict[str, Any]],
+    ) -> Mapping[str, ArrayPlan]: ...
+
+
+def check_planner(quantize: Any) -> None:
+    if quantize is not None and not callable(getattr(quantize, "plan", None)):
+        raise FormatError(
+            f"Expected quantize to be a planner with a plan() method (e.g. "
+            f"inshrink_store.policy.QuantConfig(bins=16)) or None. Got {quantize!r} instead."
+        )
+
+
+class WriteSession:
+    """One write session: a writable zarr store (``.store``) over the parent's chunks."""
+
+    def __init__(self, parts: StoreParts, branch: str, head_seq: int, parent: str | None,
+                 parent_view: SnapshotChunks | None, inherit: bool, lease: leases.HeldLease) -> None:
+        self._parts = parts
+        self.branch, self.head_seq, self.parent, self.inherit = branch, head_seq, parent, inherit
+        self.parent_view = parent_view
+        #: this writer's lease: held from before the head was read until commit or abort
+        self.lease: leases.HeldLease | None = lease
+        self.committed: SnapshotInfo | None = None
+        self.view = PendingChunks(parts.objects, parent_view, inherit=inherit)
+        self.store = InshrinkStore(self.view)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else ("open" if self.lease else "aborted")
+        return f"WriteSession({self._parts.url!r}, branch={self.branch!r}, {state})"
+
+    def __enter__(self) -> WriteSession:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.abort()  # after a commit: a no-op; after an error: frees gc at once
+
+    def abort(self) -> None:
+        """Give up: nothing is committed; what was written is left for gc."""
+        if self.lease is not None:
+            self.lease.release()
+        self.lease = None
+
+    def write(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        attributes: Mapping[str, Any] | None = None,
+        dtypes: Mapping[str, str] | None = None,
+        quantize: Planner | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        """Write tensors (array path -> array) into this version; objects are stored now."""
+        self._require_open()
+        check_planner(quantize)
+        previous = previous_codecs(self.parent_view) if quantize is not None else {}
+        write_arrays(self.store, tensors, attributes=attributes, dtypes=dtypes,
+                     planner=quantize, previous=previous, progress=progress)
+
+    def commit(
+        self,
+        message: str = "",
+        step: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        rebase: bool = False,
+    ) -> SnapshotInfo:
+        """Publish this version as the next of its branch; ``rebase`` retries on top of a
+        head another writer moved (a partial update is replayed per zarr node)."""
+        if self.committed is not None:
+            raise ConflictError("Expected an open transaction. Got one already committed instead.")
+        lease = self._require_open()
+        message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
+        storage = self._parts.storage
+        root = self._write_trees(self.view)
+        snap = Snapshot(root=root.id, parent=self.parent, time=utc_now(), message=message,
+                        step=step, metrics=metrics, metadata=metadata)
+        seq = self.head_seq + 1
+        leases.fence_for_commit(storage, lease)  # a gc that judged us dead wins: publish nothing
+        for _ in range(MAX_REBASES):
+            storage.write(snapshot_path(snap.id), snap.to_bytes())
+            try:
+                self._parts.refs.advance(self.branch, seq, snap.id)
+                break
+            except ConflictError:
+                if not rebase:
+                    raise
+                head = self._parts.refs.head(self.branch)
+                assert head is not None
+                seq = head[0] + 1
+                root = self._rebased_root(head[1]) if self.inherit else root
+                snap = Snapshot(**{**snap.__dict__, "root": root.id, "parent": head[1], "time": utc_now()})
+        else:
+            raise ConflictError(f"Expected to commit to {self.branch!r}. Got {MAX_REBASES} lost races instead.")
+        self.committed = self._parts.history.get(snap.id)
+        self.abort()  # committed: the lease is no longer needed
+        return self.committed
+
+    def _require_open(self) -> leases.HeldLease:
+        if self.lease is None:
+            state = "committed" if self.committed is not None else "aborted"
+            raise ConflictError(f"Expected an open transaction. Got one already {state} instead.")
+        return self.lease
+
+    def _write_trees(self, view: PendingChunks) -> RootTree:
+        storage = self._parts.storage
+        root, trees = view.build_trees()
+        for tree_id, tree in trees.items():
+            if not storage.exists(tree_path(tree_id)):
+                storage.write(tree_path(tree_id), tree.to_bytes())
+        storage.write(tree_path(root.id), root.to_bytes())
+        return root
+
+    def _rebased_root(self, head_id: str) -> RootTree:
+        """This session's changes re-applied on ``head_id``, written; the new root tree.
+
+        A session that inherited its parent's tensors changed only some of them; moving
+        just its parent pointer would silently undo what the other writer committed. So
+        the merge is per zarr node (a tensor with all its chunks, or a group's attributes):
+        a node this session added, changed or removed is taken from it (this commit comes
+        later in history, so its write is the newer one); every other node is taken from
+        the new head."""
+        base = _by_node(self.parent_view.entries if self.parent_view is not None else {})
+        mine = _by_node(self.view.entries)
+        head_view = SnapshotChunks(self._parts.objects, self._parts.history.get(head_id).root, head_id)
+        merged_nodes = _by_node(head_view.entries)
+        for node in set(base) | set(mine):
+            if base.get(node) == mine.get(node):
+                continue  # untouched here: the head's version stands
+            if node in mine:
+                merged_nodes[node] = mine[node]
+            else:
+                merged_nodes.pop(node, None)
+        merged = PendingChunks(self._parts.objects, head_view, inherit=False)
+        for entries in merged_nodes.values():
+            merged.entries.update(entries)
+        return self._write_trees(merged)
+
+
+def _by_node(entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Store keys grouped by the zarr node they belong to ('' is the root group): the
+    deepest ``<node>/zarr.json`` above each key."""
+    nodes = {k[: -len("zarr.json")].rstrip("/") for k in entries if k == "zarr.json" or k.endswith("/zarr.json")}
+    out: dict[str, dict[str, Any]] = {}
+    for key, entry in entries.items():
+        node = key.rsplit("/", 1)[0] if "/" in key else ""
+        while node and node not in nodes:
+            node = node.rsplit("/", 1)[0] if "/" in node else ""
+        out.setdefault(node, {})[key] = entry
+    return out
+
+
+def open_session(parts: StoreParts, branch: str, *, parent: str | None, inherit: bool,
+                 gc_wait: float, on_wait: Callable[[str], None] | None = None) -> WriteSession:
+    """Take the writer lease *first*, then read the head and parent under it, so nothing
+    read here (head, parent, the objects to dedup against) can be collected before the
+    commit; a running gc is waited for up to ``gc_wait`` seconds."""
+    lease = leases.acquire_writer(parts.storage, wait=gc_wait, on_wait=on_wait)
+    try:
+        head = parts.refs.head(branch)
+        parent_id = parts.resolve(parent) if parent is not None else (head[1] if head else None)
+        view = None
+        if parent_id is not None:
+            view = SnapshotChunks(parts.objects, parts.history.get(parent_id).root, parent_id)
+        session = WriteSession(parts, branch, head[0] if head else -1, parent_id, view, inherit, lease)
+    except BaseException:
+        lease.release()
+        raise
+    lease.keep_alive()
+    return session
