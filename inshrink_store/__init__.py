@@ -11,16 +11,18 @@ from inshrink_store.errors import (
     GcRunningError,
     InshrinkError,
     IntegrityError,
+    InvalidInputError,
     LeaseBrokenError,
     MissingDependencyError,
     NotFoundError,
+    StorageError,
 )
 from inshrink_store.repository import Repository, SnapshotInfo, Transaction, init, open  # noqa: A004
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlreadyExistsError", "ConflictError", "FormatError", "GcRunningError", "InshrinkError", "IntegrityError",
+    "AlreadyExistsError", "ConflictError", "FormatError", "GcRunningError", "InshrinkError", "IntegrityError", "InvalidInputError",
     "LeaseBrokenError", "MissingDependencyError",
-    "NotFoundError", "Repository", "SnapshotInfo", "Transaction", "init", "open", "__version__",
+    "NotFoundError", "StorageError", "Repository", "SnapshotInfo", "Transaction", "init", "open", "__version__",
 ]

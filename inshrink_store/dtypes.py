@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from inshrink_store.errors import FormatError
+from inshrink_store.errors import InvalidInputError
 
 _MANTISSA = np.uint16(0x007F)
 _QUIET = np.uint16(0x0040)
@@ -79,6 +79,12 @@ class DType:
     def quantizable(self) -> bool:
         return self.codec_name is not None
 
+    @property
+    def carried_as_bits(self) -> bool:
+        """A float dtype zarr cannot hold, so its carrier is an integer holding its bit patterns
+        (bfloat16 as uint16): such arrays must be widened, never cast, to read their values."""
+        return self.is_float and self.carrier.kind != "f"
+
     def to_float32(self, carried: ArrayLike) -> np.ndarray:
         """The carried array as float32 values (bfloat16 bits widened exactly)."""
         return np.asarray(self.widen(carried), dtype=np.float32)
@@ -116,6 +122,8 @@ _BY_CODEC_NAME = {d.codec_name: d for d in REGISTRY.values() if d.codec_name is 
 
 FLOAT_NAMES = tuple(n for n, d in REGISTRY.items() if d.is_float)
 QUANTIZABLE_NAMES = tuple(n for n, d in REGISTRY.items() if d.quantizable)
+#: what the nuq codec calls the quantizable dtypes, in registry order ("float32", "float16", ...)
+CODEC_NAMES = tuple(d.codec_name for d in REGISTRY.values() if d.codec_name is not None)
 
 
 def get(name: str, where: str = "") -> DType:
@@ -123,7 +131,7 @@ def get(name: str, where: str = "") -> DType:
     found = REGISTRY.get(name) if isinstance(name, str) else None
     if found is None:
         at = f" for {where}" if where else ""
-        raise FormatError(f"Expected a dtype in {sorted(REGISTRY)}{at}. Got {name!r} instead.")
+        raise InvalidInputError(f"Expected a dtype in {sorted(REGISTRY)}{at}. Got {name!r} instead.")
     return found
 
 
@@ -131,7 +139,7 @@ def by_codec_name(name: str) -> DType:
     """The entry the nuq codec calls ``name`` (``float32``, ``float16``, ``bfloat16``)."""
     found = _BY_CODEC_NAME.get(name)
     if found is None:
-        raise FormatError(f"Expected a quantizable element dtype in {sorted(_BY_CODEC_NAME)}. Got {name!r} instead.")
+        raise InvalidInputError(f"Expected a quantizable element dtype in {sorted(_BY_CODEC_NAME)}. Got {name!r} instead.")
     return found
 
 
@@ -142,14 +150,14 @@ def of_array(array: np.ndarray, declared: str | None = None, path: str = "") -> 
     if declared is not None:
         entry = get(declared, where)
         if entry.carrier != array.dtype:
-            raise FormatError(
+            raise InvalidInputError(
                 f"Expected {where} declared {declared} to be carried as {entry.carrier}. "
                 f"Got {array.dtype} instead."
             )
         return entry
     entry = _BY_CARRIER.get(array.dtype)
     if entry is None:
-        raise FormatError(
+        raise InvalidInputError(
             f"Expected {where} to have a dtype in {sorted(REGISTRY)}. Got numpy {array.dtype} instead; "
             "convert it first (bfloat16 bits: declare dtypes={path: 'BF16'} on a uint16 array)."
         )

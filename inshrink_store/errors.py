@@ -1,11 +1,18 @@
 """One error tree for the whole library, grouped by what the caller should do.
 
 - ``NotFoundError`` (also a ``KeyError``): check the ref, tensor or URL.
-- ``ConflictError``: another writer committed first; rebase or retry.
-- ``IntegrityError``: stored bytes do not match their hash or checksum; stop and
-  run ``inshrink verify``.
-- ``FormatError`` (also a ``ValueError``): malformed payload, config or input.
+- ``ConflictError``: someone else got there first; nothing was lost, retry or rebase.
+  ``AlreadyExistsError`` (a tag, branch or store name is taken), ``GcRunningError``
+  (a gc holds the store), ``LeaseBrokenError`` (a gc fenced this commit off).
+- ``IntegrityError``: stored bytes are damaged (hash, checksum, malformed document);
+  stop and run ``inshrink verify``.
+- ``FormatError`` (also a ``ValueError``): data in a format this version cannot use (a
+  codec payload, an unknown format version). Its subclass ``InvalidInputError`` is a bad
+  argument (a name, a config, a tensor, commit fields): fix the call.
+- ``StorageError`` (also an ``OSError``): the backend failed (credentials, network,
+  permissions); the data is fine.
 - ``MissingDependencyError`` (also an ``ImportError``): install the named extra.
+- ``BackgroundSaveError``: a Checkpointer's background save failed; the cause is chained.
 
 Messages follow "Expected X. Got Y instead." plus the fix where one exists.
 Only the standard library lives here, so every layer can import it.
@@ -47,6 +54,22 @@ class IntegrityError(InshrinkError):
 
 class FormatError(InshrinkError, ValueError):
     """Malformed payload, configuration, URL, name or unsupported input."""
+
+
+class StorageError(InshrinkError, OSError):
+    """The storage backend failed (credentials, network, permissions, a full disk): nothing
+    is wrong with the data; the message names the operation, the path and the cause."""
+
+
+class InvalidInputError(FormatError):
+    """A bad argument: a name, configuration, tensor, URL or commit field the caller passed.
+
+    A subclass of FormatError so that code catching FormatError keeps working; catch
+    InvalidInputError to tell "fix the call" apart from "this data cannot be used"."""
+
+
+class BackgroundSaveError(InshrinkError):
+    """A background save failed; raised by the Checkpointer's next call, with the cause chained."""
 
 
 class MissingDependencyError(InshrinkError, ImportError):

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import xxhash
 
-from inshrink_store.errors import FormatError, IntegrityError
+from inshrink_store.errors import FormatError, IntegrityError, InvalidInputError
 from inshrink_store.layout import ID_PATTERN, check_id  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 1
@@ -300,7 +300,7 @@ class Snapshot:
 
 
 def _field_error(field_name: str, expected: str, got: Any, fix: str) -> NoReturn:
-    raise FormatError(
+    raise InvalidInputError(
         f"Expected {field_name} to be {expected}. Got {_show(got)} "
         f"({type(got).__name__}) instead; {fix}."
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from inshrink_store.arrays import SnapshotReader
 from inshrink_store.cas import ObjectStore
-from inshrink_store.errors import FormatError, NotFoundError
+from inshrink_store.errors import InvalidInputError, NotFoundError
 from inshrink_store.history import History, SnapshotInfo
 from inshrink_store.refs import Refs, maybe_name, parse_expression
 from inshrink_store.storage import Storage
@@ -60,7 +60,7 @@ class StoreParts:
             if len(matches) == 1:
                 return matches[0]
             if len(matches) > 1:
-                raise FormatError(
+                raise InvalidInputError(
                     f"Expected a unique snapshot id prefix. Got {base!r}, which matches "
                     f"{len(matches)} snapshots instead; give more digits."
                 )

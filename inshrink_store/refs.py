@@ -20,6 +20,7 @@ from inshrink_store.errors import (
     ConflictError,
     FormatError,
     IntegrityError,
+    InvalidInputError,
     NotFoundError,
 )
 from inshrink_store.layout import (
@@ -44,7 +45,7 @@ _MAX_BACK = 1 << 20  # "main~N" walks N parents: far above any history, bounded
 def check_name(name: str, kind: str) -> str:
     """Branch and tag names: letters, digits, '.', '_', '-'; no slashes, no '..'."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise FormatError(
+        raise InvalidInputError(
             f"Expected a {kind} name of letters, digits, '.', '_' or '-' (no '/' or '..'). "
             f"Got {name!r} instead."
         )
@@ -54,17 +55,17 @@ def check_name(name: str, kind: str) -> str:
 def parse_expression(expr: str) -> tuple[str, int]:
     """``main~3`` -> ("main", 3); ``main^^`` -> ("main", 2); ``abc123`` -> ("abc123", 0)."""
     if not isinstance(expr, str):
-        raise FormatError(f"Expected a ref such as 'main', 'main~3', a tag or a snapshot id. Got {expr!r}.")
+        raise InvalidInputError(f"Expected a ref such as 'main', 'main~3', a tag or a snapshot id. Got {expr!r}.")
     match = _EXPR.fullmatch(expr.strip())
     if not match:
-        raise FormatError(
+        raise InvalidInputError(
             f"Expected a ref such as 'main', 'main~3', a tag or a snapshot id. Got {expr!r:.80} instead."
         )
     back = 0
     for op in re.findall(r"~[0-9]*|\^", match.group("ops")):
         back += 1 if op in ("^", "~") else int(op[1:]) if len(op) < 12 else _MAX_BACK + 1
     if back > _MAX_BACK:
-        raise FormatError(
+        raise InvalidInputError(
             f"Expected at most {_MAX_BACK} steps back in ref {expr!r:.80}. Got {back} instead; "
             "name the version by its snapshot id."
         )

@@ -20,7 +20,7 @@ import numpy as np
 
 from inshrink_store import leases
 from inshrink_store.arrays import ArrayPlan, previous_codecs, write_arrays
-from inshrink_store.errors import ConflictError, FormatError
+from inshrink_store.errors import ConflictError, InvalidInputError
 from inshrink_store.history import SnapshotInfo
 from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
@@ -45,7 +45,7 @@ class Planner(Protocol):
 
 def check_planner(quantize: Any) -> None:
     if quantize is not None and not callable(getattr(quantize, "plan", None)):
-        raise FormatError(
+        raise InvalidInputError(
             f"Expected quantize to be a planner with a plan() method (e.g. "
             f"inshrink_store.policy.QuantConfig(bins=16)) or None. Got {quantize!r} instead."
         )

@@ -12,9 +12,10 @@ from typing import Any
 
 from inshrink_store import leases
 from inshrink_store.admin.reachability import reachable
-from inshrink_store.errors import ConflictError, FormatError, InshrinkError
+from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
 from inshrink_store.layout import BRANCHES, branch_ref_path, object_path, parse_branch_listing
 from inshrink_store.parts import StoreParts
+from inshrink_store.storage import Storage
 
 Progress = Callable[[str, int, int], None]
 
@@ -53,7 +54,7 @@ class GarbageCollector:
                  wait: float = 0.0, progress: Progress | None = None,
                  on_wait: Callable[[str], None] | None = None, keep_alive: bool = True) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise FormatError(f"Expected keep_last to be an integer >= 1. Got {keep_last!r} instead.")
+            raise InvalidInputError(f"Expected keep_last to be an integer >= 1. Got {keep_last!r} instead.")
         self.parts, self.keep_last, self.stale_after = parts, keep_last, stale_after
         self.wait, self.progress, self.on_wait, self.keep_alive = wait, progress, on_wait, keep_alive
         self.lease: leases.HeldLease | None = None
@@ -188,22 +189,11 @@ def _deltas_first(parts: StoreParts, oids: list[str]) -> list[str]:
     return sorted(oids, key=lambda oid: (-depth(oid), oid))
 
 
-def _temp_leftovers(storage: Any, stale_after: float) -> dict[str, int]:
+def _temp_leftovers(storage: Storage, stale_after: float) -> dict[str, int]:
     """Temp files of local atomic writes that a crash interrupted (``list`` hides them).
 
     Only those older than ``stale_after``: a younger one may be a write in progress (a
     writer's lease is itself written through a temp file, before gc can see the lease)."""
-    if not storage.is_local:
-        return {}
-    found = storage.fs.find(storage.root, detail=True)
     now = time.time()
-    out = {}
-    for name, info in found.items():
-        rel = storage._relative(name)
-        if rel is None or ".tmp-" not in rel:
-            continue
-        mtime = info.get("mtime")
-        if mtime is not None and now - float(mtime) < stale_after:
-            continue
-        out[rel] = int(info.get("size") or 0)
-    return out
+    return {rel: size for rel, (size, mtime) in storage.temp_files().items()
+            if mtime is None or now - mtime >= stale_after}

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import inshrink_store as ins
-from inshrink_store.storage import Storage
+from inshrink_store.storage import LocalStorage, MemoryStorage, ObjectStorage, Storage
 
 
 def state(seed: int, version: int) -> dict[str, np.ndarray]:
@@ -38,7 +38,6 @@ def state(seed: int, version: int) -> dict[str, np.ndarray]:
 
 def _inject(crash_at: int, how: str) -> None:
     calls = 0
-    real_write, real_create = Storage.write, Storage.create_exclusive
 
     def fault(real):  # type: ignore[no-untyped-def]
         def wrapped(self: Storage, path: str, data: bytes) -> None:
@@ -56,8 +55,9 @@ def _inject(crash_at: int, how: str) -> None:
 
         return wrapped
 
-    Storage.write = fault(real_write)  # type: ignore[method-assign]
-    Storage.create_exclusive = fault(real_create)  # type: ignore[method-assign]
+    for backend in (LocalStorage, MemoryStorage, ObjectStorage):
+        backend.write = fault(backend.write)  # type: ignore[method-assign]
+        backend.create_exclusive = fault(backend.create_exclusive)  # type: ignore[method-assign]
 
 
 def crash(url: str, seed: int, crash_at: int, how: str) -> None:

@@ -126,3 +126,31 @@ def test_local_writes_never_follow_a_symlinked_folder_out_of_the_store(tmp_path)
     (outside / "secret").write_bytes(b"top secret")
     with pytest.raises(ins.IntegrityError, match="symlink"):
         Storage(str(store)).read("snapshots/secret")
+
+
+def test_backend_failures_are_one_storage_error_naming_operation_and_path() -> None:
+    """A closed endpoint is not corrupt data: a StorageError (also an OSError) that says
+    which operation on which path failed and why, never a botocore traceback."""
+    pytest.importorskip("s3fs")
+    import inshrink_store as ins
+
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "k", "secret": "s",
+               "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    storage = Storage("s3://bucket/store", options)
+    with pytest.raises(ins.StorageError, match=r"read inshrink.json in 's3://bucket/store'.*EndpointConnectionError") as info:
+        storage.read("inshrink.json")
+    assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, Exception)
+    with pytest.raises(ins.StorageError, match="create refs/x"):
+        storage.create_exclusive("refs/x", b"1")
+
+
+def test_each_url_gets_its_backend(tmp_path) -> None:
+    from inshrink_store.storage import LocalStorage, MemoryStorage
+
+    assert type(Storage(str(tmp_path))) is LocalStorage
+    assert type(Storage(f"file://{tmp_path}")) is LocalStorage
+    assert type(Storage("memory://x")) is MemoryStorage
+    local = Storage(str(tmp_path / "s"))
+    local.write("a/b", b"0123456789")
+    assert local.read_range("a/b", 2, 5) == b"234" and local.size("a/b") == 10
+    assert local.list("") == {"a/b": 10} and local.temp_files() == {}

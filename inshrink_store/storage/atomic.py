@@ -1,0 +1,61 @@
+"""The one atomic-write helper for local disks: a fsynced temp file, then into place.
+
+``replace`` (``os.replace``) gives an atomic overwrite; ``exclusive`` (``os.link``)
+gives an atomic create that fails if the name exists. Either way a crash leaves at
+most a temp file (``*.tmp-<uuid>``, never listed, collected by gc), never a half file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+
+from inshrink_store.layout import TEMP_MARKER
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a new directory entry durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(full: str, data: bytes, *, exclusive: bool) -> None:
+    """Write ``data`` to ``full`` atomically; with ``exclusive``, ``FileExistsError`` if
+    ``full`` exists (decided by the filesystem, so two racing writers cannot both win)."""
+    directory = os.path.dirname(full)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{full}{TEMP_MARKER}{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if not exclusive:
+            os.replace(tmp, full)
+        else:
+            try:
+                os.link(tmp, full)
+            except FileExistsError:
+                raise
+            except OSError:
+                # A filesystem without hard links: O_EXCL still decides the race,
+                # at the cost of a window where the file exists but is empty.
+                fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_directory(directory)

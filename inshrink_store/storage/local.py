@@ -1,0 +1,65 @@
+"""A store on a local (or mounted) disk."""
+
+from __future__ import annotations
+
+import os
+
+from inshrink_store.errors import IntegrityError
+from inshrink_store.layout import is_temp
+from inshrink_store.storage.atomic import atomic_write
+from inshrink_store.storage.base import Storage
+
+
+class LocalStorage(Storage):
+    """Atomic writes through a temp file (see ``atomic.py``); never through a symlink that
+    leads out of the store."""
+
+    is_local = True
+
+    def _inside(self, full: str) -> None:
+        """Refuse a folder that a symlink leads out of the store's root.
+
+        Every path we build is relative and checked, but the folders on disk are not ours
+        alone: ``objects/ab -> /etc`` would make a write land outside the store."""
+        directory = os.path.realpath(os.path.dirname(full))
+        root = os.path.realpath(self.root or ".")
+        if directory != root and not directory.startswith(root.rstrip(os.sep) + os.sep):
+            raise IntegrityError(
+                f"Expected {os.path.dirname(full)!r} to be a folder inside the store {self.url!r}. "
+                f"Got a symlink that leads to {directory!r} instead; nothing was written there. "
+                "Remove the link (stores never create links)."
+            )
+
+    def read(self, path: str) -> bytes:
+        full = self._full(path)
+        if os.path.exists(full):
+            self._inside(full)
+        return super().read(path)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        full = self._full(path)
+        if os.path.exists(full):
+            self._inside(full)
+        return super().read_range(path, start, end)
+
+    def _write(self, path: str, data: bytes, exclusive: bool) -> None:
+        full = self._full(path)
+        with self._wrapped("write", path):
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            self._inside(full)
+            atomic_write(full, data, exclusive=exclusive)
+
+    def write(self, path: str, data: bytes) -> None:
+        self._write(path, data, exclusive=False)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """``os.link`` of a fsynced temp file: fails atomically if the name exists."""
+        self._write(path, data, exclusive=True)
+
+    def temp_files(self) -> dict[str, tuple[int, float | None]]:
+        return {rel: info for rel, info in self._find("").items() if is_temp(rel)}
+
+    @property
+    def directory(self) -> str:
+        """The store's folder on disk."""
+        return self.root
