@@ -238,7 +238,7 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
     repo = _open(url)
     reader = repo.checkout(ref)
     stored_bytes = repo.stored_bytes(reader.id)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for path, info in sorted(reader.arrays().items()):
         stored = stored_bytes.get(path, 0)
         attrs = info.attributes

@@ -1,0 +1,66 @@
+"""Old stores keep opening: small stores written by earlier releases, committed under
+tests/fixtures/, must read back exactly as they did when they were written.
+
+``store-objects-v1`` was written by the release before object format 2 (its objects have
+the body-only checksum), ``store-objects-v2`` by the current one; both by
+``tests/fixtures/make_store.py``. ``expected.json`` holds a hash of every tensor of every
+version as first read, so any change in how old bytes decode fails here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import inshrink_store as ins
+
+FIXTURES = Path(__file__).with_name("fixtures")
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+sys.path.insert(0, str(FIXTURES))
+from make_store import tensors  # noqa: E402
+
+STORES = sorted(EXPECTED)
+
+
+def _digest(value: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    copy = tmp_path / request.param  # reading never writes, but a test must not risk the fixture
+    shutil.copytree(FIXTURES / request.param, copy)
+    return request.param, str(copy)
+
+
+def test_old_stores_read_back_bit_for_bit(store: tuple[str, str]) -> None:
+    name, url = store
+    repo = ins.open(url)
+    assert sorted(repo.branches()) == ["main", "side"] and sorted(repo.tags()) == ["first"]
+    assert [i.message for i in repo.log()] == ["v2", "v1", "v0"]
+    for ref, digests in EXPECTED[name].items():
+        loaded = repo.load(ref)
+        assert {k: _digest(v) for k, v in sorted(loaded.items())} == digests, ref
+    for version, ref in ((2, "main"), (1, "main~1"), (0, "first"), (10, "side")):
+        loaded, original = repo.load(ref), tensors(version)
+        for key in ("model/b", "model/bf16", "step", "mask"):  # lossless: exact
+            np.testing.assert_array_equal(loaded[key], original[key])
+        w, w0 = loaded["model/w"], original["model/w"]
+        assert w.shape == w0.shape and np.linalg.norm(w - w0) / np.linalg.norm(w0) < 0.5
+    assert repo.checkout("main").dtypes()["model/bf16"] == "BF16"
+    assert repo.verify().ok
+
+
+def test_old_stores_take_new_commits(store: tuple[str, str]) -> None:
+    _, url = store
+    repo = ins.open(url)
+    info = repo.save(tensors(3), dtypes={"model/bf16": "BF16"}, message="v3")
+    assert info.parent == repo.resolve("main~1")
+    np.testing.assert_array_equal(repo.load("main")["model/b"], tensors(3)["model/b"])
+    assert repo.gc().kept_snapshots >= 5 and repo.verify().ok
