@@ -50,12 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inshrink_store.errors import ConflictError, GcRunningError, LeaseBrokenError
+from inshrink_store.layout import BROKEN_MARKERS, FENCES, GC_LEASES, WRITER_LEASES, lease_token
 
-LEASES = "leases"
-WRITERS = f"{LEASES}/writers"
-FENCES = f"{LEASES}/fences"
-GC = f"{LEASES}/gc"
-BROKEN = f"{LEASES}/broken"
+WRITERS, FENCES, GC, BROKEN = WRITER_LEASES, FENCES, GC_LEASES, BROKEN_MARKERS
 
 RENEW_EVERY = 5.0  # seconds between renewals of a held lease
 EXPIRY = 30.0  # a lease seen unrenewed this long (watcher's own clock) is dead
@@ -174,7 +171,7 @@ def read(storage: Any, path: str) -> Lease | None:
         raw = storage.read(path)
     except FileNotFoundError:
         return None
-    token = path.rsplit("/", 1)[-1]
+    token = lease_token(path)
     try:
         doc = json.loads(raw)
         return Lease(path, token, str(doc["kind"]), str(doc["host"]), str(doc.get("node", "")),
@@ -448,13 +445,13 @@ def leftovers(storage: Any, dead: list[Lease]) -> list[str]:
     """
     paths = {lease.path for lease in dead}
     dead_tokens = {lease.token for lease in dead}
-    present = {path.rsplit("/", 1)[-1] for prefix in (WRITERS, GC) for path in storage.list(prefix)}
+    present = {lease_token(path) for prefix in (WRITERS, GC) for path in storage.list(prefix)}
     present -= dead_tokens
     for path in storage.list(BROKEN):
-        if path.rsplit("/", 1)[-1] not in present:
+        if lease_token(path) not in present:
             paths.add(path)
     for path in storage.list(FENCES):
-        token = path.rsplit("/", 1)[-1]
+        token = lease_token(path)
         if token in present:
             continue
         fence = _read_fence(storage, token)

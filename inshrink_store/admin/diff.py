@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store.arrays import SnapshotReader
-from inshrink_store.layout import object_path
+from inshrink_store.layout import OBJECTS, object_path
 from inshrink_store.parts import StoreParts
 
 
@@ -55,7 +55,7 @@ def diff(parts: StoreParts, ref_a: str, ref_b: str, *, values: bool = False) -> 
     a, b = parts.checkout(ref_a), parts.checkout(ref_b)
     infos_a, infos_b = a.arrays(), b.arrays()
     objects_a = {oid for info in infos_a.values() for oid in info.chunk_ids.values()}
-    sizes = parts.storage.list("objects")
+    sizes = parts.storage.list(OBJECTS)
     out = []
     for path in sorted(set(infos_a) | set(infos_b)):
         ia, ib = infos_a.get(path), infos_b.get(path)

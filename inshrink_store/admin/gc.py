@@ -13,7 +13,16 @@ from typing import Any
 from inshrink_store import leases
 from inshrink_store.admin.reachability import reachable
 from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
-from inshrink_store.layout import BRANCHES, branch_ref_path, object_path, parse_branch_listing
+from inshrink_store.layout import (
+    BRANCHES,
+    OBJECTS,
+    SNAPSHOTS,
+    TREES,
+    branch_ref_path,
+    classify,
+    object_path,
+    parse_branch_listing,
+)
 from inshrink_store.parts import StoreParts
 from inshrink_store.storage import Storage
 
@@ -150,13 +159,15 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
     deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "objects": []}
     garbage_objects: list[str] = []
     for path in listing:
-        kind, _, rest = path.partition("/")
-        ident = rest.replace("/", "")
-        if kind == "snapshots" and rest not in live.snapshots:
+        found = classify(path)
+        if found is None:
+            continue
+        kind, ident = found
+        if kind == SNAPSHOTS and ident not in live.snapshots:
             deleted["snapshots"].append(path)
-        elif kind == "trees" and ident not in live.trees:
+        elif kind == TREES and ident not in live.trees:
             deleted["trees"].append(path)
-        elif kind == "objects" and ident not in keep_objects:
+        elif kind == OBJECTS and ident not in keep_objects:
             garbage_objects.append(ident)
     deleted["objects"] = [object_path(oid) for oid in _deltas_first(parts, garbage_objects)]
     for branch, seqs in parse_branch_listing([p for p in listing if p.startswith(BRANCHES + "/")]).items():
