@@ -30,6 +30,7 @@ from rich.text import Text
 
 import inshrink_store as ins
 from inshrink_store.errors import FormatError, InshrinkError
+from inshrink_store.policy.record import QuantizationRecord
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -206,30 +207,33 @@ def log(
     table = Table("snapshot", "time", "step", "message", "metrics", "config", "search")
     for e in entries:
         metrics = " ".join(f"{k}={_number(v)}" for k, v in e.metrics.items())
-        quant = e.metadata.get("quantization")
-        quant = quant if isinstance(quant, dict) else {}
-        config = quant.get("config")
-        config = config if isinstance(config, dict) else {}
-        cfg = " ".join(f"{k}={v}" for k, v in config.items() if k in ("bins", "prune", "prune_metric", "protect"))
-        if quant and not config:
-            cfg = "lossless (nothing within tolerance)" if quant.get("search") else "lossless"
+        cfg, search = _quantization_summary(e.metadata.get("quantization"))
         _row(table, e.id[:12], e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
-             e.message, metrics, cfg, _search_summary(quant.get("search")))
+             e.message, metrics, cfg, search)
     out.print(table)
+
+
+def _quantization_summary(raw: Any) -> tuple[str, str]:
+    """(config, search) columns of `log` from a version's quantization record."""
+    if raw is None:
+        return "", "-"
+    try:
+        record = QuantizationRecord.from_dict(raw)
+    except FormatError:
+        return "(unreadable quantization record)", "-"
+    config = record.config
+    if config is None:
+        cfg = "lossless (nothing within tolerance)" if record.search is not None else "lossless"
+    else:
+        cfg = f"bins={config.bins} prune={config.prune} prune_metric={config.prune_metric} protect={config.protect}"
+    search = record.search
+    summary = "-" if search is None else f"{search.mode}: {search.evaluations} evaluated of {len(search.trials)} tried"
+    return cfg, summary
 
 
 def _number(v: Any) -> str:
     """A metric value: 4 significant digits when it is a number, as written otherwise."""
     return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
-
-
-def _search_summary(search: Any) -> str:
-    """'neighbourhood: 2 evaluated of 9 tried' from a SearchResult.to_dict()."""
-    if not isinstance(search, dict):
-        return "-"
-    trials = search.get("trials") or []
-    evaluated = sum(1 for t in trials if isinstance(t, dict) and t.get("feasible") is not None)
-    return f"{search.get('mode', '?')}: {evaluated} evaluated of {len(trials)} tried"
 
 
 @app.command("ls")

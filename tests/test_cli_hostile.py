@@ -68,7 +68,7 @@ def test_log_prints_messages_metrics_and_metadata_literally(hostile: str) -> Non
     result = run("log", hostile)
     assert result.exit_code == 0, result.output
     assert MESSAGE in result.stdout and "[/]" in result.stdout and f"{METRIC}=1.5" in result.stdout
-    assert f"bins={NOTE}" in result.stdout and f"{NOTE}: 0 evaluated" in result.stdout
+    assert "(unreadable quantization record)" in result.stdout  # a garbage record is named, not shown
 
 
 def test_ls_prints_tensor_names_literally(hostile: str) -> None:

@@ -3,7 +3,9 @@
 A frozen, JSON-native value: it is stored in each version's metadata (so a resumed
 run or an import continues with the same settings) and it is the key the search
 caches candidates by. Validation happens at construction, so a bad value fails where
-it was written, not deep inside a save.
+it was written, not deep inside a save. It is also a repository planner
+(``repo.save(..., quantize=QuantConfig(bins=16))``); the planner depends only on the
+:class:`~inshrink_store.policy.settings.QuantSettings` protocol, so there is no cycle.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from inshrink_store import dtypes as dtype_registry
+from inshrink_store.arrays import ArrayPlan
 from inshrink_store.errors import FormatError
+from inshrink_store.policy.planner import StatePlanner
 
 BINS = (4, 6, 8, 12, 16, 32)
 EMBEDDING_BINS = (16, 32)
 PRUNE = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 PROTECT = (0.0005, 0.005, 0.01)
 METRICS = ("magnitude", "sensitivity")
-PROTECTED_DTYPES = ("bfloat16", "float32")
+#: what protected values may be kept as: the nuq codec names of bfloat16 and float32
+PROTECTED_DTYPES = tuple(str(dtype_registry.get(name).codec_name) for name in ("BF16", "F32"))
 MAX_LEVELS = 65534  # + the protected id = 65535 level ids, the most a uint16 payload holds
 _LEGACY = {"reuse_tolerance": "codebook_reuse_tolerance"}  # keys written by 0.1 pre-releases
 
@@ -103,8 +109,11 @@ class QuantConfig:
         return cls(**data)
 
     def plan(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str],
-             previous: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
         """Repository hook: ``repo.save(..., quantize=QuantConfig(...))``."""
-        from inshrink_store.policy.planner import StatePlanner
-
         return StatePlanner(self).plan(tensors, dtypes, previous)
+
+
+#: the Checkpointer's configuration when there is no eval function (conservative, see
+#: docs/guides/training-loop.md), and the settings every search candidate starts from
+DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, protect=0.005)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from inshrink_store.codecs import bf16
+from inshrink_store import dtypes as dtype_registry
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.sketch import LogSketch
 
@@ -141,12 +141,7 @@ def weighted_kmeans(points: Any, counts: Any, k: int, *, sigma: float = SIGMA,
 def through_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded through a tensor dtype (``F32``/``F16``/``BF16``/``F64``),
     so a value equal to a centre stays equal after the tensor is cast to its dtype."""
-    v = np.asarray(values, np.float32)
-    if dtype == "F16":
-        return v.astype(np.float16).astype(np.float32)
-    if dtype == "BF16":
-        return bf16.round_float32(v)
-    return v
+    return dtype_registry.get(dtype).round_float32(np.asarray(values, np.float32))
 
 
 def fit_codebook(values: Any, k: int, *, include_zero: bool, sketch: LogSketch | None = None,

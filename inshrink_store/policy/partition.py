@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store.codecs import bf16
+from inshrink_store import dtypes as dtype_registry
 from inshrink_store.codecs.nuq import nearest_index
+from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
-from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
+from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.sketch import BLOCK, LogSketch
 
 __all__ = [
@@ -36,8 +37,16 @@ __all__ = [
 ]
 
 LAYER_TYPES = ("linear", "conv", "embedding", "norm", "other")
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-_NUMPY_NAMES = {"float32": "F32", "float16": "F16", "float64": "F64"}
+
+
+def _inferred_dtype(values: np.ndarray) -> str:
+    """The logical name of an undeclared float array (``F32``...), else numpy's name:
+    a non-float tensor is never quantized, so its name only has to be informative."""
+    try:
+        entry = dtype_registry.of_array(values)
+    except FormatError:  # complex, object...: not a dtype the store knows
+        return values.dtype.name
+    return entry.name if entry.is_float else values.dtype.name
 
 
 def layer_type(shape: tuple[int, ...], module_kind: str | None = None) -> str:
@@ -87,7 +96,7 @@ class TensorInput:
         values = np.asarray(self.values)
         object.__setattr__(self, "values", values)
         if self.dtype is None:
-            object.__setattr__(self, "dtype", _NUMPY_NAMES.get(values.dtype.name, values.dtype.name))
+            object.__setattr__(self, "dtype", _inferred_dtype(values))
         if self.layer_type is None:
             object.__setattr__(self, "layer_type", layer_type(values.shape))
         if self.layer_type not in LAYER_TYPES:
@@ -95,7 +104,7 @@ class TensorInput:
                 f"Expected a layer type in {LAYER_TYPES}. Got {self.layer_type!r} instead; "
                 "use layer_type(shape, module_kind) to derive it."
             )
-        if self.dtype in FLOAT_DTYPES and not np.issubdtype(values.dtype, np.floating):
+        if self.dtype in FLOAT_NAMES and not np.issubdtype(values.dtype, np.floating):
             raise FormatError(
                 f"Expected floating values for dtype {self.dtype}. Got {values.dtype} instead; "
                 "pass bfloat16 tensors widened to float32."
@@ -114,26 +123,27 @@ class QuantizedTensor:
     stats: Mapping[str, Any] = field(default_factory=dict)
 
 
-def is_quantizable(t: TensorInput, config: QuantConfig) -> bool:
+def is_quantizable(t: TensorInput, config: QuantSettings) -> bool:
     """Floating, at least 2-D and at least ``min_numel`` elements; the rest stays lossless."""
-    return t.dtype in FLOAT_DTYPES and t.values.ndim >= 2 and t.values.size >= config.min_numel
+    return t.dtype in FLOAT_NAMES and t.values.ndim >= 2 and t.values.size >= config.min_numel
 
 
 def _as_float32(t: TensorInput) -> np.ndarray:
     return np.ascontiguousarray(t.values, dtype=np.float32)
 
 
-def _metric(t: TensorInput, config: QuantConfig) -> str:
+def _metric(t: TensorInput, config: QuantSettings) -> str:
     """The prune metric used for ``t``: sensitivity only when asked for and available."""
     return "sensitivity" if config.prune_metric == "sensitivity" and t.sensitivity is not None else "magnitude"
 
 
 def _prune_scores(t: TensorInput, metric: str) -> np.ndarray:
     """Scores whose lowest values are pruned; NaN scores are never pruned (NaN <= x is false)."""
-    return np.abs(t.sensitivity if metric == "sensitivity" else t.values)
+    scores = t.sensitivity if metric == "sensitivity" and t.sensitivity is not None else t.values
+    return np.abs(scores)
 
 
-def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantConfig,
+def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantSettings,
                      cache: PartitionCache | None = None) -> dict[tuple[str, str], float]:
     """One threshold per (layer type, metric) from the merged sketches of all its tensors:
     the pooled ``prune`` quantile of the scores (tensors without sensitivity pool apart,
@@ -281,7 +291,7 @@ class PartitionCache:
         return self._codebooks[key]
 
 
-def _masks(w: np.ndarray, t: TensorInput, config: QuantConfig,
+def _masks(w: np.ndarray, t: TensorInput, config: QuantSettings,
            prune_threshold: float | None) -> tuple[np.ndarray, np.ndarray]:
     protected = protected_mask(w, t.sensitivity, config.protect)
     pruned = np.zeros(w.shape, bool)
@@ -290,7 +300,7 @@ def _masks(w: np.ndarray, t: TensorInput, config: QuantConfig,
     return protected, pruned
 
 
-def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float | None = None,
+def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: float | None = None,
                     previous: Any = None, *, cache: PartitionCache | None = None,
                     name: str | None = None) -> QuantizedTensor:
     """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold.
@@ -322,7 +332,9 @@ def quantize_tensor(t: TensorInput, config: QuantConfig, prune_threshold: float 
     out[pruned] = 0.0
     if protected.any():
         kept = w[protected]
-        rounded = bf16.round_float32(kept) if config.protected_dtype == "bfloat16" else through_dtype(kept, dtype)
+        # kept in bfloat16 they are rounded to it; kept in float32, to the tensor's own dtype
+        keep_as = dtype_registry.by_codec_name(config.protected_dtype)
+        rounded = keep_as.round_float32(kept) if keep_as.name == "BF16" else through_dtype(kept, dtype)
         out[protected] = np.where(np.isfinite(kept), rounded, kept)  # NaN / Inf left alone
     n = max(w.size, 1)
     stats = _Stats({
@@ -348,12 +360,14 @@ class _Stats(Mapping[str, Any]):
     _ERRORS = ("rel_l2_error", "max_abs_error")
 
     def __init__(self, base: dict[str, Any], w: np.ndarray, out: np.ndarray) -> None:
-        self._data, self._w, self._out = base, w, out
+        self._data = base
+        # both arrays are dropped once the figures are computed (they pin a model-sized copy)
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = (w, out)
 
     def _fill(self) -> None:
-        if self._w is not None:
-            self._data["rel_l2_error"], self._data["max_abs_error"] = _error_stats(self._w, self._out)
-            self._w = self._out = None
+        if self._arrays is not None:
+            self._data["rel_l2_error"], self._data["max_abs_error"] = _error_stats(*self._arrays)
+            self._arrays = None
 
     def __getitem__(self, key: str) -> Any:
         if key in self._ERRORS:
@@ -373,7 +387,7 @@ class _Stats(Mapping[str, Any]):
         return repr(dict(self.items()))
 
 
-def quantize_state(tensors: Mapping[str, TensorInput], config: QuantConfig,
+def quantize_state(tensors: Mapping[str, TensorInput], config: QuantSettings,
                    previous: Mapping[str, Any] | None = None) -> dict[str, QuantizedTensor]:
     """Quantize every quantizable tensor (see :func:`is_quantizable`; others are left out
     of the result and stay lossless) with prune thresholds pooled per layer type.
@@ -393,7 +407,7 @@ class StateQuantizer:
     writer can quantize, encode and drop tensors one by one (peak memory of one tensor,
     not of the model)."""
 
-    def __init__(self, tensors: Mapping[str, TensorInput], config: QuantConfig,
+    def __init__(self, tensors: Mapping[str, TensorInput], config: QuantSettings,
                  previous: Mapping[str, Any] | None = None, cache: PartitionCache | None = None) -> None:
         for name, t in tensors.items():
             if t.sensitivity is not None and np.shape(t.sensitivity) != t.values.shape:

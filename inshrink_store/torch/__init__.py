@@ -4,6 +4,7 @@
 bit-exact; ``Checkpointer`` runs dynamic quantization from a training loop.
 """
 
+from inshrink_store.policy import SearchPolicy
 from inshrink_store.torch.checkpointer import DEFAULT_CONFIG, BackgroundSaveError, Checkpointer
 from inshrink_store.torch.tensors import (
     TORCH_DTYPES,
@@ -20,7 +21,7 @@ from inshrink_store.torch.tensors import (
 )
 
 __all__ = [
-    "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "array_to_tensor", "arrays_to_state", "export_safetensors", "import_file",
-    "load_checkpoint_file", "load_state", "save_safetensors", "save_state", "state_to_arrays",
-    "tensor_to_array",
+    "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "SearchPolicy", "array_to_tensor",
+    "arrays_to_state", "export_safetensors", "import_file", "load_checkpoint_file", "load_state",
+    "save_safetensors", "save_state", "state_to_arrays", "tensor_to_array",
 ]

@@ -16,30 +16,36 @@ import logging
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import zstandard
+from typing_extensions import Unpack
 
-from inshrink_store.codecs.nuq import NUQ
-from inshrink_store.errors import InshrinkError, LeaseBrokenError
-from inshrink_store.policy import QuantConfig, StatePlanner
-from inshrink_store.policy.partition import PartitionCache
-from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
-from inshrink_store.torch.tensors import STRUCTURE_ATTR, load_state, state_to_arrays, torch
+from inshrink_store.arrays import previous_codecs
+from inshrink_store.errors import BackgroundSaveError, FormatError, LeaseBrokenError
+from inshrink_store.policy import (
+    DEFAULT_CONFIG,
+    Candidates,
+    PlanSet,
+    QuantConfig,
+    QuantizationRecord,
+    SearchPolicy,
+)
+from inshrink_store.policy.search import SearchResult, SearchSpace
+from inshrink_store.policy.search_policy import PolicyArgs
+from inshrink_store.torch.tensors import (
+    STRUCTURE_ATTR,
+    array_to_tensor,
+    load_state,
+    state_to_arrays,
+    torch,
+)
 
 log = logging.getLogger(__name__)
-_PLANS_KEPT = 2  # candidate plan sets held at once during a search (each ~ the model's size)
 
-#: used when there is no eval function: conservative, documented in docs/guides/training-loop.md
-DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, protect=0.005)
-
-
-class BackgroundSaveError(InshrinkError):
-    """A background save failed; raised by the Checkpointer's next call, with the cause chained."""
+__all__ = ["DEFAULT_CONFIG", "BackgroundSaveError", "Checkpointer"]
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -52,34 +58,74 @@ def _cpu_copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-class _FixedPlans:
-    """A Planner that returns plans already computed (during the search) for this state."""
+@dataclass(frozen=True)
+class _Job:
+    """What the loop's thread hands the background save: copies, never live objects."""
 
-    def __init__(self, plans: dict[str, Any]) -> None:
-        self.plans = plans
+    state: dict[str, Any]
+    sensitivity: dict[str, Any]  # path -> |g*w| as numpy, over the last EMA window
+    kinds: dict[str, str]  # path -> owning module's class name (layer types)
+    eval_model: Any  # a CPU copy of the model to evaluate candidates on (None: no eval_fn)
+    step: int
+    metrics: dict[str, float] | None
+    message: str | None
+    copy_s: float
 
-    def plan(self, tensors: Any, dtypes: Any, previous: Any) -> dict[str, Any]:
-        return self.plans
+
+class _QuantizedEval:
+    """``eval_fn`` on a CPU copy of the model with a candidate's values loaded.
+
+    ``evaluate(None)`` scores the copy as it is (the baseline); the unquantized weights
+    are kept once, at the first candidate, and put back after every evaluation."""
+
+    def __init__(self, eval_fn: Callable[[Any], float], model: Any, dtypes: dict[str, str]) -> None:
+        self.eval_fn, self.model, self.dtypes = eval_fn, model, dtypes
+        self.originals: dict[str, Any] | None = None
+
+    def __call__(self, plans: PlanSet | None) -> float:
+        if plans is None:
+            return float(self.eval_fn(self.model))
+        if self.originals is None:
+            self.originals = {n: t.clone() for n, t in self.model.state_dict().items()}
+        quantized = dict(self.originals)
+        for path, plan in plans.items():
+            name = path[len("model/"):]
+            quantized[name] = array_to_tensor(plan.values, self.dtypes[path]).reshape(self.originals[name].shape)
+        self.model.load_state_dict(quantized)
+        try:
+            return float(self.eval_fn(self.model))
+        finally:
+            self.model.load_state_dict(self.originals)
 
 
 class Checkpointer:
-    """Saves ``model`` (and ``optimizer``) into ``repo`` with the method of Inshrinkerator."""
+    """Saves ``model`` (and ``optimizer``) into ``repo`` with the method of Inshrinkerator.
+
+    ``policy`` (a :class:`~inshrink_store.policy.SearchPolicy`) decides what each checkpoint
+    stores; the 0.1 keywords ``tolerance``, ``higher_is_better``, ``space`` and
+    ``optimizer_policy`` still work and build it. ``every``: the save interval in steps, so
+    the gradient EMA runs only over the last ``ema_batches`` batches before each save.
+    ``gc_wait``: how long a save waits for a running gc (logged) before it fails; a commit
+    that a gc fenced off (it judged this process dead) is retried at once, state in hand.
+    """
 
     def __init__(self, repo: Any, model: Any, optimizer: Any = None, eval_fn: Callable[[Any], float] | None = None,
-                 tolerance: float = 0.05, every: int | None = None, *, higher_is_better: bool = True,
-                 ema_batches: int = 50, branch: str = "main", background: bool = True,
-                 space: SearchSpace | None = None, optimizer_policy: Any = None,
-                 gc_wait: float = 600.0) -> None:
+                 every: int | None = None, *, policy: SearchPolicy | None = None, ema_batches: int = 50,
+                 branch: str = "main", background: bool = True, gc_wait: float = 600.0,
+                 **legacy: Unpack[PolicyArgs]) -> None:
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise FormatError(
+                f"Expected every to be an int (steps between saves) or None. Got {every!r} instead; "
+                f"tolerance is keyword-only: pass tolerance={every!r} or policy=SearchPolicy(...)."
+            )
+        if policy is not None and legacy:
+            raise FormatError(
+                f"Expected either policy= or the keywords {sorted(legacy)}. Got both instead; "
+                "set those fields on the SearchPolicy."
+            )
+        self.policy = policy if policy is not None else SearchPolicy.from_args(**legacy)
         self.repo, self.model, self.optimizer, self.eval_fn = repo, model, optimizer, eval_fn
-        self.tolerance, self.every, self.higher_is_better = tolerance, every, higher_is_better
-        self.ema_batches, self.branch, self.space = ema_batches, branch, space or SearchSpace()
-        #: a repository Planner for ``optimizer/`` tensors (e.g. ``StatePlanner(QuantConfig(...),
-        #: scope="optimizer/")``); None keeps the optimizer state lossless, the default: the search
-        #: only evaluates the model, so nothing would check what a lossy optimizer costs.
-        self.optimizer_policy = optimizer_policy
-        #: how long a save waits for a running gc (logged) before it fails; a commit that a gc
-        #: fenced off (it judged this process dead) is retried at once, the state still in hand
-        self.gc_wait = gc_wait
+        self.every, self.ema_batches, self.branch, self.gc_wait = every, ema_batches, branch, gc_wait
         self._ema: dict[str, Any] = {}
         self._batches = 0
         self._parent: str | None = None
@@ -90,11 +136,29 @@ class Checkpointer:
         self.last_search: SearchResult | None = None
         self.timings: list[dict[str, float]] = []
         if eval_fn is None:
+            base = self.policy.base
             warnings.warn(
                 "Checkpointer has no eval_fn: every checkpoint uses the conservative default "
-                f"{DEFAULT_CONFIG.bins} levels, no pruning, {DEFAULT_CONFIG.protect:.1%} protected. "
+                f"{base.bins} levels, no pruning, {base.protect:.1%} protected. "
                 "Pass eval_fn to let the search pick the most aggressive safe configuration.",
                 stacklevel=2)
+
+    # the 0.1 attributes, read from the policy
+    @property
+    def tolerance(self) -> float:
+        return self.policy.tolerance
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.policy.higher_is_better
+
+    @property
+    def space(self) -> SearchSpace:
+        return self.policy.space
+
+    @property
+    def optimizer_policy(self) -> Any:
+        return self.policy.optimizer
 
     # -- in the loop -----------------------------------------------------------------------
     def observe_gradients(self) -> None:
@@ -127,10 +191,10 @@ class Checkpointer:
                  for p, _ in mod.named_parameters(recurse=False)}
         eval_model = copy.deepcopy(self.model).to("cpu") if self.eval_fn is not None else None
         copy_s = time.perf_counter() - start
-        job = (state, sensitivity, kinds, eval_model, step, metrics, message, copy_s)
+        job = _Job(state, sensitivity, kinds, eval_model, step, metrics, message, copy_s)
         if self._pool is None:
-            return self._save(*job)
-        self._pending = self._pool.submit(self._save, *job)
+            return self._save(job)
+        self._pending = self._pool.submit(self._save, job)
         return self._pending
 
     def wait(self) -> Any:
@@ -157,110 +221,29 @@ class Checkpointer:
             self.optimizer.load_state_dict(state["optimizer"])
         info = self.repo.snapshot(snapshot_id)
         self._parent = snapshot_id
-        config = info.metadata.get("quantization", {}).get("config")
-        self._previous = QuantConfig.from_dict(config) if config else None
+        recorded = info.metadata.get("quantization")
+        self._previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
         self._ema.clear()
         return info.step
 
     # -- background ------------------------------------------------------------------------
-    def _save(self, state: dict[str, Any], sensitivity: dict[str, np.ndarray], kinds: dict[str, str],
-              eval_model: Any, step: int, metrics: dict[str, float] | None, message: str | None,
-              copy_s: float) -> Any:
+    def _save(self, job: _Job) -> Any:
         t0 = time.perf_counter()
-        arrays, dtypes, skeleton = state_to_arrays(state)
-        previous = self._previous_codecs()
-        # The search reads a candidate's plans for its ratio, maybe for an evaluation, and
-        # the winner's once more to write it. Each plan set is a quantized copy of the
-        # model, so only the most recent few are kept (ratios are remembered separately);
-        # the shared sketches make re-planning an evicted candidate cheap.
-        planners: OrderedDict[QuantConfig, StatePlanner] = OrderedDict()
-        partitions = PartitionCache()
-        ratios: dict[QuantConfig, float] = {}
-
-        def planner(config: QuantConfig) -> StatePlanner:
-            if config in planners:
-                planners.move_to_end(config)
-                return planners[config]
-            p = StatePlanner(config, sensitivity=sensitivity, module_kinds=kinds, scope="model/",
-                             cache=partitions)
-            p.plans = dict(p.plan(arrays, dtypes, previous))  # type: ignore[attr-defined]
-            planners[config] = p
-            while len(planners) > _PLANS_KEPT:
-                planners.popitem(last=False)
-            return p
-
-        def to_config(point: SearchPoint) -> QuantConfig:
-            return QuantConfig(**{**DEFAULT_CONFIG.to_dict(), **point.to_dict()})
-
-        model_paths = [p for p in arrays if p.startswith("model/")]
-        logical = sum(arrays[p].nbytes for p in model_paths)
-
-        def measure_ratio(point: SearchPoint | QuantConfig) -> float:
-            config = point if isinstance(point, QuantConfig) else to_config(point)
-            if config not in ratios:
-                ratios[config] = _measure(config)
-            return ratios[config]
-
-        def _measure(config: QuantConfig) -> float:
-            plans = planner(config).plans  # type: ignore[attr-defined]
-            stored = 0
-            for path in model_paths:
-                if path in plans:
-                    codec = plans[path].serializer
-                    payload = NUQ(codec.codebook, 0.0, codec.protected_dtype,
-                                  codec.dtype or str(plans[path].values.dtype)).encode(plans[path].values)
-                    stored += len(zstandard.ZstdCompressor(level=3).compress(payload))
-                else:
-                    stored += len(zstandard.ZstdCompressor(level=3).compress(arrays[path].tobytes()))
-            return logical / max(stored, 1)
-
-        baseline = None
-        result: SearchResult | None = None
-        if self.eval_fn is not None and eval_model is not None:
-            baseline = float(self.eval_fn(eval_model))
-            originals = {n: t.clone() for n, t in eval_model.state_dict().items()}
-
-            def is_feasible(point: SearchPoint) -> tuple[bool, float]:
-                plans = planner(to_config(point)).plans  # type: ignore[attr-defined]
-                quantized = dict(originals)
-                for path, plan in plans.items():
-                    name = path[len("model/"):]
-                    values = plan.values
-                    t = torch.from_numpy(values.view(np.int16).copy()).view(torch.bfloat16) \
-                        if dtypes[path] == "BF16" else torch.from_numpy(values.copy())
-                    quantized[name] = t.reshape(originals[name].shape)
-                eval_model.load_state_dict(quantized)
-                quality = float(self.eval_fn(eval_model))
-                eval_model.load_state_dict(originals)
-                return self._within(quality, baseline), quality
-
-            metrics_available = ("magnitude", "sensitivity") if sensitivity else ("magnitude",)
-            result = search(measure_ratio, is_feasible, previous=self._previous, space=self.space,
-                            metrics_available=metrics_available)
-            # nothing within tolerance: this checkpoint is stored lossless (chosen None)
-            chosen = to_config(result.best) if result.best is not None else None
-        else:
-            chosen = DEFAULT_CONFIG
+        arrays, dtypes, skeleton = state_to_arrays(job.state)
+        candidates = Candidates(arrays, dtypes, self._previous_codecs(), sensitivity=job.sensitivity,
+                                module_kinds=job.kinds, keep=self.policy.keep)
+        evaluate = None
+        if self.eval_fn is not None and job.eval_model is not None:
+            evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
+        decision = self.policy.decide(candidates, evaluate, previous=self._previous)
         t_search = time.perf_counter() - t0
-        plans = dict(planner(chosen).plans) if chosen is not None else {}  # type: ignore[attr-defined]
-        if self.optimizer_policy is not None:
-            optimizer_arrays = {p: a for p, a in arrays.items() if p.startswith("optimizer/")}
-            plans.update(self.optimizer_policy.plan(optimizer_arrays, dtypes, previous))
-        quantize = _FixedPlans(plans) if plans else None
-        metadata = {"quantization": {
-            "config": None if chosen is None else chosen.to_dict(),
-            "baseline_quality": baseline, "tolerance": self.tolerance,
-            "higher_is_better": self.higher_is_better,
-            "search": None if result is None else result.to_dict(),
-            "model_ratio_estimate": None if chosen is None else measure_ratio(chosen),
-        }}
-        info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=quantize,
-                            branch=self.branch, parent=self._parent, step=step, metrics=metrics,
-                            message=message or f"step {step}", metadata=metadata)
-        self._parent = info.id
-        self._previous = chosen
-        self.last_search = result
-        self.timings.append({"copy_s": copy_s, "search_s": t_search, "total_s": time.perf_counter() - t0 + copy_s})
+        info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=decision.plans,
+                            branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
+                            message=job.message or f"step {job.step}",
+                            metadata={"quantization": decision.record.to_dict()})
+        self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
+        self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
+                             "total_s": time.perf_counter() - t0 + job.copy_s})
         return info
 
     def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> Any:
@@ -279,10 +262,6 @@ class Checkpointer:
                             kwargs.get("step"), attempt + 1)
         raise AssertionError("unreachable")
 
-    def _within(self, quality: float, baseline: float) -> bool:
-        slack = self.tolerance * abs(baseline)
-        return quality >= baseline - slack if self.higher_is_better else quality <= baseline + slack
-
     def _previous_codecs(self) -> dict[str, dict[str, Any]]:
         parent = self._parent
         if parent is None:
@@ -290,8 +269,6 @@ class Checkpointer:
             parent = heads.get(self.branch)
         if parent is None:
             return {}
-        from inshrink_store.arrays import previous_codecs
-
         return previous_codecs(self.repo.checkout(parent).view)
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 
 import inshrink_store as ins
 from inshrink_store.errors import FormatError, MissingDependencyError
+from inshrink_store.policy import QuantizationRecord, SearchPolicy
 from inshrink_store.storage import Storage
 from inshrink_store.torch.checkpointer import Checkpointer
 from inshrink_store.torch.tensors import load_state, torch
@@ -77,8 +78,8 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
     eval_x, eval_y = xte[:200], yte[:200]
     ck = None
     if repo is not None:
-        ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y),
-                          tolerance=tolerance, every=every, ema_batches=min(50, every or 50))
+        ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
+                          policy=SearchPolicy(tolerance=tolerance), ema_batches=min(50, every or 50))
     gen = torch.Generator().manual_seed(1)
     stats = {"train_s": 0.0, "wait_s": 0.0, "resumed_from": -1}
     step = 0
@@ -103,8 +104,8 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
             model = make_model()
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
             ck.close()
-            ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y),
-                              tolerance=tolerance, every=every, ema_batches=min(50, every))
+            ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
+                              policy=SearchPolicy(tolerance=tolerance), ema_batches=min(50, every or 50))
             step = ck.restore("main") or 0
             stats["resumed_from"] = step
             fail_at = None  # fail once: the resumed run passes this step again
@@ -124,7 +125,7 @@ _MARKER_DOC = {"created_by": "inshrink demo",
 
 def write_demo_marker(repo: Any) -> None:
     """Mark ``repo`` as a demo store, which a later demo at the same path may replace."""
-    repo.storage.write(DEMO_MARKER, (json.dumps(_MARKER_DOC, indent=2) + "\n").encode())
+    Storage(repo.url).write(DEMO_MARKER, (json.dumps(_MARKER_DOC, indent=2) + "\n").encode())
 
 
 def is_demo_store(storage: Storage) -> bool:
@@ -181,15 +182,16 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
     usage = {r.snapshot: r for r in repo.du()}
     weights = {r.snapshot: r for r in repo.du(prefix="model/")}
     for info in reversed(repo.log()):
-        q = info.metadata.get("quantization", {})
+        q = QuantizationRecord.from_dict(info.metadata["quantization"])  # every demo version has one
         u, w = usage[info.id], weights[info.id]
-        rows.append({"snapshot": info.id[:10], "step": info.step, "config": q.get("config"),
-                     "search": (q.get("search") or {}).get("mode"),
-                     "evaluations": sum(1 for t in (q.get("search") or {}).get("trials", []) if t.get("feasible") is not None),
+        rows.append({"snapshot": info.id[:10], "step": info.step,
+                     "config": None if q.config is None else q.config.to_dict(),
+                     "search": None if q.search is None else q.search.mode,
+                     "evaluations": 0 if q.search is None else q.search.evaluations,
                      "stored_bytes": u.new_stored_bytes, "logical_bytes": u.logical_bytes,
                      "ratio": u.ratio, "deltas": u.delta_objects,
                      "model_stored_bytes": w.new_stored_bytes, "model_ratio": w.ratio,
-                     "accuracy": info.metrics.get("accuracy"), "baseline": q.get("baseline_quality")})
+                     "accuracy": info.metrics.get("accuracy"), "baseline": q.baseline_quality})
     restored = make_model()
     restored.load_state_dict(load_state(repo, "main")["model"])
     _, _, xte, yte = load_digits_split()

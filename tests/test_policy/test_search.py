@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,8 +71,8 @@ cubes = st.builds(
 )
 
 
-def _run(cube: Cube, **kwargs: object) -> SearchResult:
-    return search(cube.measure_ratio, cube.is_feasible, **kwargs)  # type: ignore[arg-type]
+def _run(cube: Cube, **kwargs: Any) -> SearchResult:
+    return search(cube.measure_ratio, cube.is_feasible, **kwargs)
 
 
 def _assert_honest(result: SearchResult, cube: Cube) -> None:
@@ -214,11 +214,22 @@ def test_deterministic(cube: Cube, prev: tuple[int, int, int] | None) -> None:
     assert first == second and calls == cube.feasible_calls
 
 
+@dataclass(frozen=True)
+class _Axes:
+    """Not a QuantConfig: any object with the four axes (and more) will do."""
+
+    bins: int
+    prune: float
+    prune_metric: str
+    protect: float
+    min_numel: int
+
+
 def test_previous_may_be_any_config_with_the_four_axes() -> None:
     cube = Cube({m: [(5, 5, 2)] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape],
                 {m: 1.0 for m in SPACE.metrics})
-    config = SimpleNamespace(bins=16, prune=0.2, prune_metric="magnitude", protect=0.005, min_numel=4096)
-    result = search(cube.measure_ratio, cube.is_feasible, previous=config)  # type: ignore[arg-type]
+    config = _Axes(bins=16, prune=0.2, prune_metric="magnitude", protect=0.005, min_numel=4096)
+    result = search(cube.measure_ratio, cube.is_feasible, previous=config)
     assert result.best == SearchPoint(16, 0.2, "magnitude", 0.005)
 
 
@@ -227,9 +238,9 @@ def test_previous_may_be_any_config_with_the_four_axes() -> None:
 def test_point_json_round_trip(point: SearchPoint) -> None:
     assert SearchPoint.from_dict(json.loads(json.dumps(point.to_dict()))) == point
     assert SPACE.point(SPACE.index(point), point.prune_metric) == point
-    scalars: list[object] = [np.int64(point.bins), np.float64(point.prune), point.prune_metric,
-                             np.float32(point.protect)]
-    from_numpy = SearchPoint(*scalars)  # type: ignore[arg-type]
+    scalars: list[Any] = [np.int64(point.bins), np.float64(point.prune), point.prune_metric,
+                          np.float32(point.protect)]
+    from_numpy = SearchPoint(*scalars)
     assert all(type(v) in (int, float, str) for v in from_numpy.to_dict().values())
     assert from_numpy.bins == point.bins and from_numpy.prune == point.prune
 

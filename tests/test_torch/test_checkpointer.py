@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -110,7 +110,8 @@ def test_without_eval_fn_warns_and_uses_the_default(url: str) -> None:
     assert info.metadata["quantization"]["search"] is None
 
 
-def test_background_failure_surfaces_on_the_next_call_and_loses_nothing(url: str) -> None:
+def test_background_failure_surfaces_on_the_next_call_and_loses_nothing(url: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
     with warnings.catch_warnings():
@@ -118,17 +119,16 @@ def test_background_failure_surfaces_on_the_next_call_and_loses_nothing(url: str
         ck = Checkpointer(repo, model, opt)
     ck.save(1)
     first = ck.wait()
-    real_save = repo.save
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise OSError("disk full")
 
-    repo.save = broken  # type: ignore[method-assign]
-    ck.save(2)
-    with pytest.raises(BackgroundSaveError, match="disk full") as info:
-        ck.wait()
+    with monkeypatch.context() as patch:
+        patch.setattr(repo, "save", broken)
+        ck.save(2)
+        with pytest.raises(BackgroundSaveError, match="disk full") as info:
+            ck.wait()
     assert isinstance(info.value.__cause__, OSError)
-    repo.save = real_save  # type: ignore[method-assign]
     assert repo.resolve("main") == first.id  # the failed save changed nothing
     ck.save(3)
     assert ck.wait().parent == first.id
@@ -193,12 +193,12 @@ def test_optimizer_state_is_lossless_by_default_and_a_policy_can_quantize_it(url
         assert torch.equal(state["optimizer"]["state"][k]["step"], v["step"])
 
 
-def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: saves raised BackgroundSaveError into the loop while a gc ran (13 of 144)."""
     import threading
 
     from inshrink_store import leases
-    from inshrink_store.maintenance import GarbageCollector
 
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
@@ -207,9 +207,15 @@ def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCap
         ck = Checkpointer(repo, model, opt, gc_wait=60)
     ck.save(1)
     first = ck.wait()
-    gc = GarbageCollector(repo)
+    gc = repo.garbage_collector()
     gc.start()  # a gc holds the store for ~1.5 s
-    threading.Timer(1.5, lambda: (gc.mark(), gc.sweep(), gc.finish())).start()
+
+    def run_gc() -> None:
+        gc.mark()
+        gc.sweep()
+        gc.finish()
+
+    threading.Timer(1.5, run_gc).start()
     _train(model, opt, x, y, 2, ck)
     with caplog.at_level("WARNING", logger="inshrink_store.torch.checkpointer"):
         ck.save(2)
@@ -224,11 +230,34 @@ def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCap
             raise ins.LeaseBrokenError("fenced off")
         real_fence(storage, held)
 
-    leases.fence_for_commit = fenced_once  # type: ignore[assignment]
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(leases, "fence_for_commit", fenced_once)
         ck.save(3)
         third = ck.wait()
-    finally:
-        leases.fence_for_commit = real_fence  # type: ignore[assignment]
     ck.close()
     assert len(calls) == 2 and third.parent == second.id and third.step == 3
+
+
+def test_a_search_policy_or_the_old_keywords_build_the_same_policy(url: str) -> None:
+    from inshrink_store.errors import FormatError
+    from inshrink_store.policy import QuantizationRecord, SearchPolicy
+
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    policy = SearchPolicy(tolerance=0.02, space=SMALL_SPACE)
+    old = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), tolerance=0.02, space=SMALL_SPACE)
+    new = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), policy=policy)
+    assert old.policy == new.policy == policy and old.tolerance == 0.02 and old.space == SMALL_SPACE
+    with pytest.raises(FormatError, match="either policy="):
+        Checkpointer(repo, model, opt, eval_fn=lambda m: 1.0, policy=policy, tolerance=0.1)
+    with pytest.raises(FormatError, match="tolerance is keyword-only"):
+        cast(Any, Checkpointer)(repo, model, opt, lambda m: 1.0, 0.05)  # the 0.1 positional call
+    with pytest.raises(TypeError, match="tolerence"):
+        cast(Any, Checkpointer)(repo, model, opt, eval_fn=lambda m: 1.0, tolerence=0.1)
+    _train(model, opt, x, y, 5, new)
+    new.save(5)
+    record = QuantizationRecord.from_dict(new.wait().metadata["quantization"])
+    assert record.version == 1 and record.config is not None and record.search is not None
+    assert record.tolerance == 0.02 and record.model_ratio_estimate is not None and record.model_ratio_estimate > 1
+    old.close()
+    new.close()

@@ -37,7 +37,8 @@ def test_demo_compresses_weights_resumes_and_keeps_accuracy(tmp_path: Path) -> N
     assert repo.verify().problems == []
     history = repo.log()
     # the version after the failure is a child of the version it resumed from
-    assert history[1].step == 90 and repo.snapshot(history[1].parent).step == 60
+    parent = history[1].parent
+    assert history[1].step == 90 and parent is not None and repo.snapshot(parent).step == 60
 
 
 def test_demo_prints_a_table_and_the_headline(tmp_path: Path) -> None:

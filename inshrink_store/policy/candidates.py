@@ -1,0 +1,106 @@
+"""The candidates of one checkpoint: each configuration's plans, made whole and measured.
+
+:class:`CandidatePlanner` quantizes every eligible tensor under one configuration at
+once and returns a :class:`PlanSet` with its measured ratio; it is a repository planner
+too. :class:`Candidates` serves a search over one state: it shares the sketches and
+codebooks of all configurations (a :class:`PartitionCache`), keeps only the most
+recent few PlanSets (each is a quantized copy of the model) and remembers every ratio,
+so re-planning an evicted candidate is cheap and never changes its answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from inshrink_store.arrays import ArrayPlan
+from inshrink_store.errors import FormatError
+from inshrink_store.policy.config import QuantConfig
+from inshrink_store.policy.partition import PartitionCache, StateQuantizer
+from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
+from inshrink_store.policy.plans import PlanSet
+from inshrink_store.policy.ratio import RatioEstimator
+
+#: candidate plan sets held at once during a search (each about the model's size)
+KEEP = 2
+
+
+def _frozen(plan: ArrayPlan) -> ArrayPlan:
+    """The plan with its freshly made values read-only: readers share them, none may write."""
+    plan.values.flags.writeable = False
+    return plan
+
+
+class CandidatePlanner:
+    """Plans the tensors under ``scope`` with one configuration, all at once, and measures them.
+
+    Unlike :class:`~inshrink_store.policy.planner.StatePlanner` (lazy, one tensor in memory
+    at a time) the result holds every quantized tensor: a search reads it several times.
+    ``estimator`` (built from the tensors when omitted) and ``cache`` are shared by the
+    candidates of one state.
+    """
+
+    def __init__(self, config: QuantConfig, *, sensitivity: Mapping[str, np.ndarray] | None = None,
+                 module_kinds: Mapping[str, str] | None = None, scope: str = "model/",
+                 cache: PartitionCache | None = None, estimator: RatioEstimator | None = None) -> None:
+        self.config, self.scope, self.cache, self.estimator = config, scope, cache, estimator
+        self.sensitivity: Mapping[str, np.ndarray] = sensitivity or {}
+        self.module_kinds: Mapping[str, str] = module_kinds or {}
+
+    def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+             previous: Mapping[str, dict[str, Any]]) -> PlanSet:
+        paths = eligible(tensors, dtypes, self.config.min_numel, self.scope)
+        inputs = tensor_inputs(paths, tensors, dtypes, previous, self.sensitivity, self.module_kinds)
+        quantizer = StateQuantizer(inputs, self.config, cache=self.cache)
+        plans = {p: _frozen(array_plan(quantizer.quantize(p), dtypes[p], self.config.protected_dtype))
+                 for p in quantizer.names}
+        estimator = self.estimator or RatioEstimator(tensors, self.scope)
+        return PlanSet(self.config, plans, estimator.logical_bytes, estimator.stored_bytes(plans))
+
+
+class Candidates:
+    """One state's candidate PlanSets by configuration (the search's view of the model).
+
+    ``keep`` PlanSets are held at once, least recently used evicted first; ratios are
+    remembered for every configuration ever planned.
+    """
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+                 previous: Mapping[str, dict[str, Any]], *, sensitivity: Mapping[str, np.ndarray] | None = None,
+                 module_kinds: Mapping[str, str] | None = None, scope: str = "model/", keep: int = KEEP) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise FormatError(f"Expected keep to be an int >= 1 (PlanSets held at once). Got {keep!r} instead.")
+        self.tensors, self.dtypes, self.previous = tensors, dtypes, previous
+        self.sensitivity: Mapping[str, np.ndarray] = sensitivity or {}
+        self.module_kinds: Mapping[str, str] = module_kinds or {}
+        self.scope, self.keep = scope, keep
+        self.cache = PartitionCache()
+        self.estimator = RatioEstimator(tensors, scope)
+        self._held: OrderedDict[QuantConfig, PlanSet] = OrderedDict()
+        self._ratios: dict[QuantConfig, float] = {}
+
+    @property
+    def metrics_available(self) -> tuple[str, ...]:
+        """Prune metrics the search may use: sensitivity only when gradients were observed."""
+        return ("magnitude", "sensitivity") if self.sensitivity else ("magnitude",)
+
+    def plans(self, config: QuantConfig) -> PlanSet:
+        """The PlanSet of ``config`` (made now unless held)."""
+        if config in self._held:
+            self._held.move_to_end(config)
+            return self._held[config]
+        planner = CandidatePlanner(config, sensitivity=self.sensitivity, module_kinds=self.module_kinds,
+                                   scope=self.scope, cache=self.cache, estimator=self.estimator)
+        made = self._held[config] = planner.plan(self.tensors, self.dtypes, self.previous)
+        while len(self._held) > self.keep:
+            self._held.popitem(last=False)
+        return made
+
+    def ratio(self, config: QuantConfig) -> float:
+        """The measured ratio of ``config`` (planned once, remembered after eviction)."""
+        if config not in self._ratios:
+            self._ratios[config] = self.plans(config).ratio
+        return self._ratios[config]

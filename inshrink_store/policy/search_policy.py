@@ -1,0 +1,162 @@
+"""SearchPolicy: how a checkpoint's configuration is chosen, and what it takes to store it.
+
+The policy owns every decision about *what* a checkpoint stores: the search space, the
+acceptance rule (``tolerance`` relative to the unquantized quality, ``higher_is_better``),
+the settings every candidate starts from (``base``, also what is stored when there is
+no way to evaluate), and the planner of the optimizer state. The Checkpointer keeps
+only its own job (copying, the background thread, commits) and hands the policy a
+:class:`Candidates` and an evaluation callback; :meth:`SearchPolicy.decide` returns the
+plans to write and the :class:`QuantizationRecord` that explains them.
+
+The policy knows nothing of torch: ``evaluate(plans)`` is the caller's, and returns the
+model's quality with those plans' values loaded (``evaluate(None)``: the model as it is).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, TypedDict
+
+from inshrink_store.errors import FormatError
+from inshrink_store.policy.candidates import KEEP, Candidates
+from inshrink_store.policy.config import DEFAULT_CONFIG, QuantConfig
+from inshrink_store.policy.plans import PlanSet
+from inshrink_store.policy.record import QuantizationRecord
+from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
+from inshrink_store.repository import Planner
+
+#: the caller's quality of the model with a candidate's values loaded (None: unquantized)
+Evaluate = Callable[[PlanSet | None], float]
+
+
+class PolicyArgs(TypedDict, total=False):
+    """The Checkpointer keywords of 0.1 that each set a field of the policy."""
+
+    tolerance: float
+    higher_is_better: bool
+    space: SearchSpace | None
+    optimizer_policy: Planner | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to write for one checkpoint: ``plans`` (model and optimizer; None: nothing is
+    quantized) and the ``record`` that goes into the version's metadata."""
+
+    plans: PlanSet | None
+    record: QuantizationRecord
+
+
+@dataclass(frozen=True)
+class SearchPolicy:
+    """The most aggressive configuration of ``space`` whose quality stays within ``tolerance``.
+
+    ``tolerance`` is relative to the unquantized model's quality (``higher_is_better=False``
+    for a loss). ``base`` gives every candidate its settings off the search axes and is
+    stored as it is when there is nothing to evaluate with. ``optimizer`` plans the
+    ``optimizer/`` tensors (e.g. ``StatePlanner(QuantConfig(...), scope="optimizer/")``);
+    None keeps them lossless, the default: the search evaluates only the model, so nothing
+    would check what a lossy optimizer costs. ``keep``: candidate PlanSets held at once.
+    """
+
+    tolerance: float = 0.05
+    higher_is_better: bool = True
+    space: SearchSpace = field(default_factory=SearchSpace)
+    base: QuantConfig = DEFAULT_CONFIG
+    optimizer: Planner | None = None
+    keep: int = KEEP
+
+    def __post_init__(self) -> None:
+        tol = self.tolerance
+        checks = [
+            (isinstance(tol, Real) and not isinstance(tol, bool) and math.isfinite(tol) and tol >= 0,
+             "tolerance a finite number >= 0 (relative, e.g. 0.05)", tol),
+            (isinstance(self.higher_is_better, bool), "higher_is_better True or False (False for a loss)",
+             self.higher_is_better),
+            (isinstance(self.space, SearchSpace), "space a SearchSpace", self.space),
+            (isinstance(self.base, QuantConfig), "base a QuantConfig", self.base),
+            (self.optimizer is None or callable(getattr(self.optimizer, "plan", None)),
+             "optimizer a planner with a plan() method (e.g. StatePlanner(..., scope='optimizer/')) or None",
+             self.optimizer),
+            (isinstance(self.keep, int) and not isinstance(self.keep, bool) and self.keep >= 1,
+             "keep an int >= 1", self.keep),
+        ]
+        for ok, what, got in checks:
+            if not ok:
+                raise FormatError(f"Expected {what} in SearchPolicy. Got {got!r} instead.")
+
+    @classmethod
+    def from_args(cls, **args: Any) -> SearchPolicy:
+        """The policy the Checkpointer's 0.1 keywords describe (:class:`PolicyArgs`)."""
+        unknown = sorted(set(args) - set(PolicyArgs.__annotations__))
+        if unknown:
+            raise TypeError(
+                f"Expected Checkpointer keywords from {sorted(PolicyArgs.__annotations__)}. Got {unknown} "
+                "instead; check the spelling."
+            )
+        fields: dict[str, Any] = {}
+        if "tolerance" in args:
+            fields["tolerance"] = args["tolerance"]
+        if "higher_is_better" in args:
+            fields["higher_is_better"] = args["higher_is_better"]
+        if args.get("space") is not None:
+            fields["space"] = args["space"]
+        if "optimizer_policy" in args:
+            fields["optimizer"] = args["optimizer_policy"]
+        return cls(**fields)
+
+    def within(self, quality: float, baseline: float) -> bool:
+        """Quality within ``tolerance`` (relative) of the baseline, in the better direction."""
+        slack = self.tolerance * abs(baseline)
+        return quality >= baseline - slack if self.higher_is_better else quality <= baseline + slack
+
+    def config(self, point: SearchPoint) -> QuantConfig:
+        """The candidate configuration at ``point``: the base with the point's four axes."""
+        return QuantConfig(**{**self.base.to_dict(), **point.to_dict()})
+
+    def decide(self, candidates: Candidates, evaluate: Evaluate | None,
+               previous: QuantConfig | None = None) -> Decision:
+        """Search (when there is ``evaluate``) and return what to write.
+
+        Without ``evaluate`` the base configuration is stored. With it, nothing within
+        tolerance stores the model lossless (the record's config is None). ``previous``
+        (the parent version's configuration) starts the neighbourhood search."""
+        baseline: float | None = None
+        result: SearchResult | None = None
+        if evaluate is None:
+            chosen: QuantConfig | None = self.base
+        else:
+            baseline = float(evaluate(None))
+            result = self._search(candidates, evaluate, baseline, previous)
+            chosen = None if result.best is None else self.config(result.best)
+        model = candidates.plans(chosen) if chosen is not None else None
+        plans = self._with_optimizer(model, candidates)
+        record = QuantizationRecord(
+            config=chosen, tolerance=self.tolerance, higher_is_better=self.higher_is_better,
+            baseline_quality=baseline, search=result,
+            model_ratio_estimate=None if chosen is None else candidates.ratio(chosen),
+        )
+        return Decision(plans, record)
+
+    def _search(self, candidates: Candidates, evaluate: Evaluate, baseline: float,
+                previous: QuantConfig | None) -> SearchResult:
+        def measure_ratio(point: SearchPoint) -> float:
+            return candidates.ratio(self.config(point))
+
+        def is_feasible(point: SearchPoint) -> tuple[bool, float]:
+            quality = float(evaluate(candidates.plans(self.config(point))))
+            return self.within(quality, baseline), quality
+
+        return search(measure_ratio, is_feasible, previous=previous, space=self.space,
+                      metrics_available=candidates.metrics_available)
+
+    def _with_optimizer(self, model: PlanSet | None, candidates: Candidates) -> PlanSet | None:
+        """The model's plans plus the optimizer planner's (None when there are none at all)."""
+        plans = model if model is not None else PlanSet(None)
+        if self.optimizer is not None:
+            tensors = {p: a for p, a in candidates.tensors.items() if p.startswith("optimizer/")}
+            plans = plans.with_plans(self.optimizer.plan(tensors, candidates.dtypes, candidates.previous))
+        return plans if len(plans) else None

@@ -1,0 +1,31 @@
+"""QuantSettings: what quantizing a state reads from a configuration, as a Protocol.
+
+The quantizing modules (``partition``, ``planner``) depend on these attributes only, not on
+:class:`~inshrink_store.policy.config.QuantConfig`, so ``QuantConfig`` can be a repository
+planner itself (its ``plan`` uses ``planner``) without an import cycle between the two.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class QuantSettings(Protocol):
+    """The knobs of one configuration; :class:`QuantConfig` is the implementation."""
+
+    @property
+    def bins(self) -> int: ...
+    @property
+    def prune(self) -> float: ...
+    @property
+    def prune_metric(self) -> str: ...
+    @property
+    def protect(self) -> float: ...
+    @property
+    def protected_dtype(self) -> str: ...
+    @property
+    def min_numel(self) -> int: ...
+    @property
+    def codebook_reuse_tolerance(self) -> float: ...
+
+    def levels_for(self, layer_type: str) -> int: ...
