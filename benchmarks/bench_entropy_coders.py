@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from inshrink_store.codecs import _payload, bf16
+from inshrink_store import dtypes
+from inshrink_store.codecs import _payload
 from inshrink_store.codecs.vdelta import VDelta, apply_stream, delta_stream
 
 LEVELS = 16
@@ -82,7 +83,7 @@ def quantize(w: np.ndarray, centres: np.ndarray) -> bytes:
     prot = np.zeros(w.size, bool)
     prot[top] = True
     ids[prot] = LEVELS
-    return _payload.pack(LEVELS + 1, ids, "bfloat16", bf16.from_float32(w[prot]))
+    return _payload.pack(LEVELS + 1, ids, "bfloat16", dtypes.float32_to_bf16(w[prot]))
 
 
 def payload_series(snaps: dict[str, list[np.ndarray]], pick: slice) -> dict[str, list[bytes]]:

@@ -246,23 +246,34 @@ class ObjectStore:
             ) from None
 
     def header(self, oid: str) -> ObjectHeader:
-        """The header of ``oid`` from a ranged read of its first 40 bytes (whole read as a
-        fallback). Structure only: the checksum and length bounds are checked by :meth:`get`."""
+        """The header of ``oid`` from a ranged read of its first 40 bytes (memory, local
+        disks, S3 and GCS all serve byte ranges: a multi-MiB chunk is never downloaded to
+        learn its kind or base). Structure only: the checksum and length bounds are checked
+        by :meth:`get`."""
         path = object_path(oid)
         try:
-            data = self.storage.fs.cat_file(self.storage._full(path), start=0, end=HEADER_SIZE)
+            data = self.storage.read_range(path, 0, HEADER_SIZE)
         except FileNotFoundError:
             data = self.read_stored(oid)  # raises the NotFoundError naming the object
         except Exception:  # no ranged reads here, or a range past a truncated object (HTTP 416)
-            data = self.read_stored(oid)
+            data = self._header_fallback(oid, path)
         return parse_header(oid, bytes(data[:HEADER_SIZE]))
+
+    def _header_fallback(self, oid: str, path: str) -> bytes:
+        """The first bytes of ``oid`` where a ranged read failed: an object too short to hold
+        a header (what HTTP 416 means) is read whole, a few bytes; any other through a file
+        handle whose block is one header, so still no whole-object download."""
+        if self.stored_size(oid) <= HEADER_SIZE:  # NotFoundError naming it when missing
+            return self.read_stored(oid)
+        with self.storage.fs.open(self.storage._full(path), "rb", block_size=HEADER_SIZE) as handle:
+            return bytes(handle.read(HEADER_SIZE))
 
     def get(self, oid: str) -> bytes:
         """The logical payload of ``oid``, chain resolved and every hash checked."""
         cached = self._cache.get(oid)
         if cached is not None:
             return cached
-        chain: list[tuple[str, ObjectHeader, bytes]] = []
+        chain: list[tuple[str, ObjectHeader, memoryview]] = []
         seen: set[str] = set()
         current: str | None = oid
         base_payload: bytes | None = None
@@ -288,8 +299,8 @@ class ObjectStore:
             body = _checked_body(current, header, stored)
             chain.append((current, header, body))
             current = header.base
-        for cid, header, body in reversed(chain):
-            payload = _decode_body(cid, header, body, base_payload, self._delta)
+        for cid, header, checked in reversed(chain):
+            payload = _decode_body(cid, header, checked, base_payload, self._delta)
             if len(payload) != header.logical_length or content_id(payload) != cid:
                 raise IntegrityError(
                     f"Expected object {cid} to decode to {header.logical_length} bytes with that "
@@ -301,7 +312,7 @@ class ObjectStore:
         assert base_payload is not None
         return base_payload
 
-    def _read_link(self, oid: str, current: str, chain: list[tuple[str, ObjectHeader, bytes]]) -> bytes:
+    def _read_link(self, oid: str, current: str, chain: list[tuple[str, ObjectHeader, memoryview]]) -> bytes:
         """Stored bytes of ``current``; a missing *base* means the chain of ``oid`` is broken."""
         try:
             return self.read_stored(current)

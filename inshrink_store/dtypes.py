@@ -116,9 +116,18 @@ REGISTRY: dict[str, DType] = {
         DType("BOOL", np.dtype("bool"), "bool"),
     )
 }
-#: numpy dtype -> the logical dtype an undeclared array of it is (BF16 must be declared)
-_BY_CARRIER = {d.carrier: d for d in REGISTRY.values() if d.name != "BF16"}
-_BY_CODEC_NAME = {d.codec_name: d for d in REGISTRY.values() if d.codec_name is not None}
+
+
+def _by_carrier(dtype: np.dtype) -> DType | None:
+    """The logical dtype an undeclared array of numpy ``dtype`` is. Looked up in
+    :data:`REGISTRY` on each call (13 entries), so adding an entry is all it takes; a dtype
+    carried as bits (BF16) is never inferred: its carrier is also a plain integer."""
+    return next((d for d in REGISTRY.values() if d.carrier == dtype and not d.carried_as_bits), None)
+
+
+def _codec_names() -> dict[str, DType]:
+    return {d.codec_name: d for d in REGISTRY.values() if d.codec_name is not None}
+
 
 FLOAT_NAMES = tuple(n for n, d in REGISTRY.items() if d.is_float)
 QUANTIZABLE_NAMES = tuple(n for n, d in REGISTRY.items() if d.quantizable)
@@ -137,9 +146,9 @@ def get(name: str, where: str = "") -> DType:
 
 def by_codec_name(name: str) -> DType:
     """The entry the nuq codec calls ``name`` (``float32``, ``float16``, ``bfloat16``)."""
-    found = _BY_CODEC_NAME.get(name)
+    found = _codec_names().get(name)
     if found is None:
-        raise InvalidInputError(f"Expected a quantizable element dtype in {sorted(_BY_CODEC_NAME)}. Got {name!r} instead.")
+        raise InvalidInputError(f"Expected a quantizable element dtype in {sorted(_codec_names())}. Got {name!r} instead.")
     return found
 
 
@@ -155,10 +164,10 @@ def of_array(array: np.ndarray, declared: str | None = None, path: str = "") -> 
                 f"Got {array.dtype} instead."
             )
         return entry
-    entry = _BY_CARRIER.get(array.dtype)
-    if entry is None:
+    inferred = _by_carrier(array.dtype)
+    if inferred is None:
         raise InvalidInputError(
             f"Expected {where} to have a dtype in {sorted(REGISTRY)}. Got numpy {array.dtype} instead; "
             "convert it first (bfloat16 bits: declare dtypes={path: 'BF16'} on a uint16 array)."
         )
-    return entry
+    return inferred

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inshrink_store.arrays import SnapshotReader
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import InvalidInputError, NotFoundError
 from inshrink_store.history import History, SnapshotInfo
+from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, maybe_name, parse_expression
 from inshrink_store.storage import Storage
 from inshrink_store.zarr_store import SnapshotChunks
@@ -71,9 +71,10 @@ class StoreParts:
         )
 
     def reader(self, info: SnapshotInfo, objects: ObjectStore | None = None) -> SnapshotReader:
-        """A lazy reader of one version (``objects``: e.g. a fresh, uncached store for verify)."""
+        """A lazy reader of one version. ``objects`` (e.g. a fresh store for verify) also
+        bypasses the process-wide snapshot index cache: every tree is read from storage."""
         store = objects or self.objects
-        return SnapshotReader(info, SnapshotChunks(store, info.root, info.id))
+        return SnapshotReader(info, SnapshotChunks(store, info.root, info.id, cached=objects is None))
 
     def checkout(self, ref: str = DEFAULT_BRANCH) -> SnapshotReader:
         return self.reader(self.history.get(self.resolve(ref)))

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from inshrink_store import admin, leases
-from inshrink_store.arrays import SnapshotReader
 from inshrink_store.cas import DEFAULT_KEYFRAME_INTERVAL, ObjectStore
 from inshrink_store.errors import AlreadyExistsError, FormatError, IntegrityError
 from inshrink_store.history import History, SnapshotInfo
 from inshrink_store.layout import CONFIG_FILE
 from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit_fields, utc_now
 from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
+from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name
 from inshrink_store.session import Planner, WriteSession, check_planner, open_session
 from inshrink_store.storage import Storage

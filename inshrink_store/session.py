@@ -19,12 +19,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from inshrink_store import leases
-from inshrink_store.arrays import ArrayPlan, previous_codecs, write_arrays
 from inshrink_store.errors import ConflictError, InvalidInputError
 from inshrink_store.history import SnapshotInfo
 from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parts import StoreParts
+from inshrink_store.writer import ArrayPlan, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
 Progress = Callable[[str, int, int], None]

@@ -5,6 +5,8 @@ object (chunks) or inline text in a node tree (``zarr.json``). Because the store
 unlike a Zarr codec, knows each chunk's key, it is where a quantized chunk is
 delta-coded against the chunk at the same key in the parent snapshot. Reading
 through it is plain Zarr: ``zarr.open_group(store=repo.snapshot_store("main"))``.
+A snapshot's keys come from its :class:`~inshrink_store.index.SnapshotIndex`, shared
+with the reader and the writer, so its trees are read once per process.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import posixpath
 from collections.abc import AsyncIterator, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from zarr.abc.store import (
@@ -26,40 +27,15 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import IntegrityError, NotFoundError
+from inshrink_store.index import (  # noqa: F401 - load_root, load_node, tree_path re-exported
+    METADATA_KEY,
+    Entry,
+    SnapshotIndex,
+    load_node,
+    load_root,
+)
 from inshrink_store.layout import tree_path  # noqa: F401 - re-exported
 from inshrink_store.manifest import NodeTree, RootTree
-
-METADATA_KEY = "zarr.json"
-
-
-def load_root(objects: ObjectStore, root_id: str) -> RootTree:
-    return RootTree.from_bytes(_read_tree(objects, root_id), root_id)
-
-
-def load_node(objects: ObjectStore, tree_id: str) -> NodeTree:
-    return NodeTree.from_bytes(_read_tree(objects, tree_id), tree_id)
-
-
-def _read_tree(objects: ObjectStore, tree_id: str) -> bytes:
-    try:
-        return objects.storage.read(tree_path(tree_id))
-    except FileNotFoundError:
-        raise NotFoundError(
-            f"Expected tree {tree_id} at {tree_path(tree_id)}. Got nothing there instead: "
-            "the store is missing data. Run `inshrink verify`."
-        ) from None
-
-
-class Entry:
-    """What a key holds: inline metadata text, or an object id."""
-
-    __slots__ = ("inline", "oid")
-
-    def __init__(self, inline: bytes | None = None, oid: str | None = None) -> None:
-        self.inline, self.oid = inline, oid
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Entry) and (self.inline, self.oid) == (other.inline, other.oid)
 
 
 def _node_of(key: str, nodes: set[str]) -> str:
@@ -73,34 +49,44 @@ def _node_of(key: str, nodes: set[str]) -> str:
 
 
 class SnapshotChunks:
-    """Read-only key -> entry view of one committed root tree."""
+    """Read-only key -> entry view of one committed root tree.
+
+    Keys come from the snapshot's :class:`SnapshotIndex` (the process-wide one, or with
+    ``cached=False`` a private one that reads storage afresh: what ``verify`` needs);
+    chunk bytes come from ``objects``. The root tree is read here, so a missing or
+    corrupt root fails at once, naming it."""
 
     writable = False
 
-    def __init__(self, objects: ObjectStore, root_id: str, snapshot_id: str | None = None) -> None:
+    def __init__(
+        self, objects: ObjectStore, root_id: str, snapshot_id: str | None = None, *,
+        cached: bool = True,
+    ) -> None:
         self.objects, self.root_id, self.snapshot_id = objects, root_id, snapshot_id
-        self._entries: dict[str, Entry] | None = None
-        self.root = load_root(objects, root_id)
+        self.cached = cached
+        self.index = (
+            SnapshotIndex.of(objects, root_id, snapshot_id) if cached
+            else SnapshotIndex(objects.storage, root_id, snapshot_id)
+        )
+        self.root: RootTree = self.index.root
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle what names the snapshot; the index (a lock, parsed trees) is found again."""
+        return {"objects": self.objects, "root_id": self.root_id,
+                "snapshot_id": self.snapshot_id, "cached": self.cached}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["objects"], state["root_id"], state["snapshot_id"],  # type: ignore[misc]
+                      cached=state["cached"])
 
     def node_trees(self) -> dict[str, tuple[str, NodeTree]]:
-        """Node path -> (tree id, tree), read in parallel (one request per node)."""
-        items = sorted(self.root.nodes.items())
-        with ThreadPoolExecutor(8) as pool:
-            trees = list(pool.map(lambda item: load_node(self.objects, item[1]), items))
-        return {path: (tid, tree) for (path, tid), tree in zip(items, trees, strict=True)}
+        """Node path -> (tree id, tree), from the index (read once, in parallel)."""
+        return self.index.node_trees()
 
     @property
-    def entries(self) -> dict[str, Entry]:
-        if self._entries is None:
-            entries: dict[str, Entry] = {}
-            for path, (_tid, tree) in self.node_trees().items():
-                prefix = f"{path}/" if path else ""
-                if tree.metadata is not None:
-                    entries[prefix + METADATA_KEY] = Entry(inline=tree.metadata.encode())
-                for rel, oid in tree.chunks.items():
-                    entries[prefix + rel] = Entry(oid=oid)
-            self._entries = entries
-        return self._entries
+    def entries(self) -> Mapping[str, Entry]:
+        """Key -> entry (read-only: the index's own mapping)."""
+        return self.index.entries()
 
     def get(self, key: str) -> bytes | None:
         entry = self.entries.get(key)
@@ -116,7 +102,7 @@ class SnapshotChunks:
             raise type(exc)(f"Chunk {key!r}{where}: {exc}") from exc
 
     def keys(self) -> list[str]:
-        return sorted(self.entries)
+        return self.index.keys()
 
 
 class PendingChunks:

@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 import inshrink_store as ins
-from inshrink_store import arrays, cas, manifest, refs
+from inshrink_store import cas, index, manifest, reader, refs
 from inshrink_store.codecs import _payload, vdelta
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.codecs.vdelta import VDelta
@@ -476,8 +476,8 @@ def test_zstd_object_whose_frame_declares_a_huge_size(repo: ins.Repository) -> N
 
 
 def test_sparse_limit_constants_are_documented() -> None:
-    assert arrays.SPARSE_LIMIT == 64 << 20 and arrays.MAX_CHUNK_EXPANSION >= 1 << 16
-    assert "SPARSE_LIMIT" in (arrays.SnapshotReader.arrays.__doc__ or "")
+    assert index.SPARSE_LIMIT == 64 << 20 and reader.MAX_CHUNK_EXPANSION >= 1 << 16
+    assert "SPARSE_LIMIT" in (reader.SnapshotReader.arrays.__doc__ or "")
 
 
 def test_snapshot_metadata_that_decodes_to_a_float_is_refused() -> None:

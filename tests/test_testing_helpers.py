@@ -13,7 +13,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray, ndarray_copy
 from numcodecs.registry import register_codec
 
-from inshrink_store.codecs import bf16
+from inshrink_store import dtypes
 from inshrink_store.codecs.nuq import NUQ
 from inshrink_store.testing import check_codec_roundtrip, codebooks, float_arrays, nuq_configs
 
@@ -160,7 +160,7 @@ def test_broken_codecs_fail_with_a_message_naming_the_problem(codec, array, boun
 
 def test_bfloat16_arrays_are_read_as_bfloat16_for_the_error_bound():
     codec = NUQ([0.0], tolerance="inf", dtype="bfloat16")
-    ones = bf16.from_float32(np.ones(3, np.float32))  # 0x3F80: 16256 as an integer, 1.0 as bf16
+    ones = dtypes.float32_to_bf16(np.ones(3, np.float32))  # 0x3F80: 16256 as an integer, 1.0 as bf16
     check_codec_roundtrip(codec, ones, max_abs_error=1.0)  # element dtype taken from the config
     with pytest.raises(AssertionError, match="max abs error"):
         check_codec_roundtrip(codec, ones, max_abs_error=0.5)

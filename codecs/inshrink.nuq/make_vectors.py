@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store.codecs import bf16
+from inshrink_store import dtypes
 from inshrink_store.codecs.nuq import NUQ
 
 ROOT = Path(__file__).resolve().parents[1]  # codecs/
@@ -63,8 +63,8 @@ def main(root: Path) -> None:
     write(root, "float16", config(CODEBOOK, 0.05, "bfloat16", "float16"),
           (rng.standard_normal(40) * 0.3).astype(np.float16))
     write(root, "bfloat16", config(CODEBOOK, 0.01, "bfloat16", "bfloat16"),
-          bf16.from_float32((rng.standard_normal(40) * 0.3).astype(np.float32)))
-    many = [float(v) for v in bf16.round_float32(np.linspace(-4, 4, 300).astype(np.float32))]
+          dtypes.float32_to_bf16((rng.standard_normal(40) * 0.3).astype(np.float32)))
+    many = [float(v) for v in dtypes.round_bf16(np.linspace(-4, 4, 300).astype(np.float32))]
     write(root, "uint16-ids", config(many, "inf", "bfloat16", "float32"),
           np.linspace(-5, 5, 500).astype(np.float32))
     write(root, "empty", config([0.0], 0.0, "bfloat16", "float32"), np.zeros(0, np.float32))

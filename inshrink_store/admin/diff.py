@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store.arrays import SnapshotReader
 from inshrink_store.layout import OBJECTS, object_path
 from inshrink_store.parts import StoreParts
+from inshrink_store.reader import SnapshotReader
 
 
 @dataclass

@@ -53,9 +53,8 @@ def du(parts: StoreParts, ref: str, prefix: str = "") -> list[UsageRow]:
     cumulative = cumulative_logical = 0
     for info in history:
         reader = parts.reader(info)
-        view = reader.view
         new_bytes = new_objects = deltas = 0
-        for tid in [info.root, *view.root.nodes.values()]:
+        for tid in [info.root, *reader.index.root.nodes.values()]:
             if tid not in seen and not prefix:
                 seen.add(tid)
                 new_bytes += sizes.get(tree_path(tid), 0)

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inshrink_store.errors import InshrinkError
+from inshrink_store.index import load_node, load_root
 from inshrink_store.parts import StoreParts
-from inshrink_store.zarr_store import load_node, load_root
 
 Progress = Callable[[str, int, int], None]
 

@@ -59,7 +59,7 @@ def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
     for sid in sorted(snapshots):
         try:
             reader = parts.reader(parts.history.get(sid), objects=fresh)
-            for path, (_tid, tree) in reader.view.node_trees().items():
+            for path, (_tid, tree) in reader.index.node_trees().items():
                 trees += 1
                 for oid in tree.chunks.values():
                     users.setdefault(oid, set()).add((sid, path))

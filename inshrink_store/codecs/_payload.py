@@ -25,15 +25,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from inshrink_store import dtypes
 from inshrink_store.errors import FormatError
 
 MAGIC = b"INQ\x01"
 VERSION = 1
 HEADER = struct.Struct("<4sBBBBQIQ")
 HEADER_SIZE = HEADER.size  # 28
+#: the on-disk code of each protected word format (part of the format: never renumber)
 PROTECTED_DTYPES = {0: "bfloat16", 1: "float32"}
 PROTECTED_CODES = {name: code for code, name in PROTECTED_DTYPES.items()}
-PROTECTED_ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+def protected_word(name: str) -> np.dtype:
+    """The little-endian numpy dtype of one protected word (its dtype's carrier)."""
+    return dtypes.by_codec_name(name).carrier.newbyteorder("<")
+
+
+PROTECTED_ITEMSIZE = {name: protected_word(name).itemsize for name in PROTECTED_CODES}
 
 
 def id_width_for(levels: int) -> int:
@@ -81,15 +90,14 @@ def pack(levels: int, ids: np.ndarray, protected_dtype: str, protected: np.ndarr
     header = HEADER.pack(
         MAGIC, VERSION, width, PROTECTED_CODES[protected_dtype], 0, ids.size, levels, n_prot
     )
-    pdt = "<u2" if protected_dtype == "bfloat16" else "<f4"
-    body = np.ascontiguousarray(protected, dtype=pdt).ravel()
+    body = np.ascontiguousarray(protected, dtype=protected_word(protected_dtype)).ravel()
     return header + ids.tobytes() + body.tobytes()
 
 
 def unpack(data: bytes | bytearray | memoryview | np.ndarray) -> Payload:
     """Parse and validate a payload; every inconsistency raises :class:`FormatError`."""
     raw = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(
-        np.ascontiguousarray(data).view("u1").ravel()
+        np.ascontiguousarray(data).view("u1").ravel().data
     )
     if len(raw) < HEADER_SIZE:
         raise FormatError(
@@ -128,6 +136,5 @@ def unpack(data: bytes | bytearray | memoryview | np.ndarray) -> Payload:
             f"Expected {n_prot} protected ids (id {levels - 1}) as the header says. "
             f"Got {actual_prot} instead."
         )
-    pdt = "<u2" if pname == "bfloat16" else "<f4"
-    prot = np.frombuffer(raw, dtype=pdt, count=n_prot, offset=HEADER_SIZE + n * width)
+    prot = np.frombuffer(raw, dtype=protected_word(pname), count=n_prot, offset=HEADER_SIZE + n * width)
     return Payload(levels=levels, ids=ids, protected_dtype=pname, protected=prot)

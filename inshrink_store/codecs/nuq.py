@@ -30,14 +30,15 @@ from zarr.core.buffer import Buffer, NDBuffer
 from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec as register_zarr_codec
 
-from inshrink_store.codecs import _payload, bf16
+from inshrink_store import dtypes
+from inshrink_store.codecs import _payload
 from inshrink_store.errors import FormatError
 
 CODEC_ID = "inshrink.nuq"
-ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
-_CARRIER: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")
-}
+#: element dtypes the codec quantizes: every quantizable entry of the dtype registry
+ELEMENT_DTYPES = dtypes.CODEC_NAMES
+#: formats a protected value may be stored in (the payload's own table of word formats)
+PROTECTED_DTYPES = tuple(_payload.PROTECTED_CODES)
 _BLOCK = 1 << 16  # elements per encode block: x, ids and temporaries stay in L2
 _COMPARE_LOOP_MAX = 64  # midpoints up to which counting compares beats searchsorted
 
@@ -93,15 +94,19 @@ def nearest_index(x: np.ndarray, centres: np.ndarray) -> np.ndarray:
     return out
 
 
+def _carrier(dtype: str) -> np.dtype[Any]:
+    """The little-endian numpy dtype an element of ``dtype`` travels as (chunks are LE)."""
+    return dtypes.by_codec_name(dtype).carrier.newbyteorder("<")
+
+
 def _element_centres(codebook: tuple[float, ...], dtype: str) -> np.ndarray:
-    """Centres as float32 after rounding through the element dtype."""
+    """Centres as float32 after rounding through the element dtype.
+
+    The float64 codebook goes to the element dtype in one rounding (float64 -> float16
+    directly, not through float32: a double rounding could move a centre)."""
     c = np.asarray(codebook, dtype=np.float64)
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return c.astype(np.float16).astype(np.float32)
     with np.errstate(over="ignore"):
-        c32 = c.astype(np.float32)
-    return bf16.round_float32(c32) if dtype == "bfloat16" else c32
+        return dtypes.by_codec_name(dtype).round_float32(c)
 
 
 @dataclass(frozen=True)
@@ -139,13 +144,15 @@ class Quantizer:
             )
         with np.errstate(over="ignore"):
             tol32 = np.float32(self.tolerance)
-        carrier = _CARRIER[self.dtype]
-        table = np.zeros(self.levels, dtype=carrier)
-        table[:-1] = bf16.from_float32(centres) if self.dtype == "bfloat16" else centres
+        element = dtypes.by_codec_name(self.dtype)
+        table = np.zeros(self.levels, dtype=_carrier(self.dtype))
+        table[:-1] = element.from_float32(centres)
         for name, value in (("centres", centres), ("mids", midpoints(centres)), ("table", table)):
             value.setflags(write=False)
             object.__setattr__(self, name, value)
         object.__setattr__(self, "tol32", None if np.isinf(tol32) else tol32)
+        object.__setattr__(self, "element", element)
+        object.__setattr__(self, "protected", dtypes.by_codec_name(self.protected_dtype))
         object.__setattr__(self, "id_dtype", _payload.id_dtype(_payload.id_width_for(self.levels)))
 
     # lookup tables derived in __post_init__ (not part of the identity)
@@ -154,6 +161,8 @@ class Quantizer:
     table: np.ndarray = field(init=False, repr=False, compare=False)
     tol32: np.float32 | None = field(init=False, repr=False, compare=False)
     id_dtype: np.dtype = field(init=False, repr=False, compare=False)
+    element: dtypes.DType = field(init=False, repr=False, compare=False)
+    protected: dtypes.DType = field(init=False, repr=False, compare=False)
 
     @property
     def levels(self) -> int:
@@ -161,9 +170,7 @@ class Quantizer:
 
     def values_of(self, carrier: np.ndarray) -> np.ndarray:
         """Element carrier (float32, float16, uint16 bfloat16 bits) -> float32 values."""
-        if self.dtype == "bfloat16":
-            return bf16.to_float32(carrier)
-        return carrier.astype(np.float32, copy=False)
+        return self.element.to_float32(carrier)
 
     # -- encode -----------------------------------------------------------------------
 
@@ -212,15 +219,19 @@ class Quantizer:
 
     def _protect(self, carrier: np.ndarray) -> np.ndarray:
         """Protected words for these elements: float32, or bfloat16 rounded to nearest with
-        finite values kept finite (rounded toward zero where nearest would overflow)."""
-        if self.protected_dtype == "float32":
-            return self.values_of(carrier).astype("<f4")
-        if self.dtype == "bfloat16":
-            return carrier.astype("<u2")
+        finite values kept finite (rounded toward zero where nearest would overflow).
+
+        Words of the element's own dtype are its bits unchanged, so NaN payloads survive."""
+        word = _payload.protected_word(self.protected_dtype)
+        if self.protected_dtype == self.dtype:
+            return carrier.astype(word)
         values = self.values_of(carrier)
-        words = bf16.from_float32(values)
+        words = np.asarray(self.protected.from_float32(values)).astype(word, copy=False)
+        if word.itemsize >= 4:  # float32 words hold every element value exactly
+            return words
         overflow = np.isfinite(values) & ~np.isfinite(self._stored_values(words))
-        words[overflow] -= np.uint16(1)  # one step toward zero: the largest value that fits
+        # bit-pattern words are sign-magnitude: one step toward zero is the largest that fits
+        words[overflow] -= word.type(1)
         return words
 
     def _stored_values(self, words: np.ndarray) -> np.ndarray:
@@ -246,17 +257,14 @@ class Quantizer:
         return out
 
     def _unprotect(self, words: np.ndarray, protected_dtype: str) -> np.ndarray:
-        carrier = _CARRIER[self.dtype]
-        if protected_dtype == "bfloat16":
-            if self.dtype == "bfloat16":
-                return words.astype(carrier)
-            with np.errstate(over="ignore"):
-                return bf16.to_float32(words).astype(carrier)
-        values = words.astype(np.float32)
-        if self.dtype == "bfloat16":
-            return bf16.from_float32(values)
+        """Protected words -> element carrier: verbatim when the dtypes agree (NaN payloads
+        kept), else widened exactly to float32 and rounded to nearest in the element dtype."""
+        carrier = _carrier(self.dtype)
+        if protected_dtype == self.dtype:
+            return words.astype(carrier)
+        values = dtypes.by_codec_name(protected_dtype).to_float32(words)
         with np.errstate(over="ignore"):
-            return values.astype(carrier)
+            return np.asarray(self.element.from_float32(values)).astype(carrier, copy=False)
 
 
 @functools.lru_cache(maxsize=128)
@@ -325,7 +333,7 @@ class NUQ(Codec):
                  protected_dtype: str = "bfloat16", dtype: str = "float32") -> None:
         self.codebook = list(_codebook(codebook))
         self.tolerance = _tolerance_from_json(tolerance)
-        self.protected_dtype = _choice(protected_dtype, "protected_dtype", ("bfloat16", "float32"))
+        self.protected_dtype = _choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES)
         self.dtype = _choice(dtype, "dtype", ELEMENT_DTYPES)
         self._q = quantizer(tuple(self.codebook), self.tolerance, protected_dtype, dtype)
 
@@ -349,12 +357,13 @@ class NUQ(Codec):
 
     def encode(self, buf: Any) -> bytes:
         arr = ensure_contiguous_ndarray(buf)
-        carrier = _CARRIER[self.dtype]
+        carrier = _carrier(self.dtype)
         if arr.dtype != carrier:
             if arr.dtype.kind == "f":
+                bits = f" to {carrier.name} {self.dtype} bits" if carrier.kind != "f" else ""
                 raise FormatError(
                     f"Expected {self.dtype} values. Got a {arr.dtype.name} ({arr.dtype.str}) array "
-                    f"instead; cast it first{' to uint16 bfloat16 bits' if self.dtype == 'bfloat16' else ''}."
+                    f"instead; cast it first{bits}."
                 )
             if arr.nbytes % carrier.itemsize:
                 raise FormatError(
@@ -384,14 +393,16 @@ register_codec(NUQ)
 
 
 def _element_name(dtype: Any, configured: str | None) -> str:
-    """The element dtype for a zarr array dtype (a ZDType) and the configured ``dtype``."""
+    """The element dtype for a zarr array dtype (a ZDType) and the configured ``dtype``.
+
+    A float array names its own dtype; an array of bit patterns (bfloat16 as uint16) must
+    have its dtype configured, since uint16 alone is also a plain integer."""
     native = np.dtype(dtype.to_native_dtype())
-    if native == np.float32 and configured in (None, "float32"):
-        return "float32"
-    if native == np.float16 and configured in (None, "float16"):
-        return "float16"
-    if native == np.uint16 and configured == "bfloat16":
-        return "bfloat16"
+    for entry in dtypes.REGISTRY.values():
+        if entry.codec_name is None or entry.carrier != native:
+            continue
+        if configured == entry.codec_name or (configured is None and not entry.carried_as_bits):
+            return entry.codec_name
     raise FormatError(
         "Expected a float32 or float16 array, or a uint16 array with \"dtype\": \"bfloat16\" in "
         f"the inshrink.nuq configuration. Got a {native} array with dtype={configured!r} instead."
@@ -415,7 +426,7 @@ class NUQZarrCodec(ArrayBytesCodec):
         object.__setattr__(self, "codebook", _codebook(codebook))
         object.__setattr__(self, "tolerance", _tolerance_from_json(tolerance))
         object.__setattr__(self, "protected_dtype",
-                           _choice(protected_dtype, "protected_dtype", ("bfloat16", "float32")))
+                           _choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES))
         object.__setattr__(self, "dtype", _choice(dtype, "dtype", ELEMENT_DTYPES, none_ok=True))
         quantizer(self.codebook, self.tolerance, protected_dtype, dtype or "float32")  # validates
 
@@ -464,7 +475,7 @@ class NUQZarrCodec(ArrayBytesCodec):
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer | None:
         q = self._quantizer(chunk_spec)
-        carrier = np.ascontiguousarray(chunk_array.as_numpy_array()).view(_CARRIER[q.dtype])
+        carrier = np.ascontiguousarray(chunk_array.as_numpy_array()).view(_carrier(q.dtype))
         return chunk_spec.prototype.buffer.from_bytes(q.encode(carrier))
 
     def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:

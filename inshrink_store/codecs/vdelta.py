@@ -20,7 +20,7 @@ Byte layout and change log: ``codecs/inshrink.vdelta/README.md``.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -31,6 +31,13 @@ from numcodecs.registry import register_codec
 
 from inshrink_store.codecs import _payload, _zstd
 from inshrink_store.errors import FormatError, IntegrityError
+
+
+def _buffer(array: np.ndarray) -> bytes:
+    """``array`` where a bytes-like object is expected: numpy arrays implement the buffer
+    protocol (no copy), which numpy's type stubs do not declare."""
+    return cast(bytes, array)
+
 
 CODEC_ID = "inshrink.vdelta"
 MAGIC = b"IVD\x01"
@@ -158,11 +165,11 @@ class VDelta(Codec):
             )
         levels = max(cur.levels, prev.levels)
         stream = delta_stream(prev.ids, cur.ids, levels, self.regroup)
-        body = zstandard.ZstdCompressor(level=self.level).compress(stream)
+        body = zstandard.ZstdCompressor(level=self.level).compress(_buffer(stream))
         header = HEADER.pack(
             MAGIC, VERSION, FLAG_REGROUP if self.regroup else 0, CODERS[self.coder],
             _payload.PROTECTED_CODES[cur.protected_dtype], cur.count, cur.levels, prev.levels,
-            xxhash.xxh3_64_intdigest(base_view), int(cur.protected.size), len(body),
+            xxhash.xxh3_64_intdigest(_buffer(base_view)), int(cur.protected.size), len(body),
         )
         return b"".join((header, body, cur.protected.tobytes()))
 
@@ -186,7 +193,7 @@ def _parse_header(data: np.ndarray) -> tuple[int, ...]:
             f"Expected a vdelta stream starting with {MAGIC!r}. Got {bytes(data[:4])!r} "
             f"({data.size} bytes) instead (not a delta, or truncated)."
         )
-    (_, version, flags, coder, pcode, n, b_cur, b_base, base_hash, n_prot, zlen) = HEADER.unpack_from(data)
+    (_, version, flags, coder, pcode, n, b_cur, b_base, base_hash, n_prot, zlen) = HEADER.unpack_from(_buffer(data))
     if version != VERSION:
         raise FormatError(
             f"Expected vdelta format version {VERSION}. Got {version} instead; upgrade inshrink-store."
@@ -205,7 +212,7 @@ def _decompress(body: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
     """The n deltas; ``n`` was already checked against the base, a real payload, and the
     frame is decompressed in bounded steps (a declared content size is never trusted)."""
     size = n * dtype.itemsize
-    raw = _zstd.decompress(memoryview(body), size, "the vdelta stream's zstd frame of deltas")
+    raw = _zstd.decompress(memoryview(_buffer(body)), size, "the vdelta stream's zstd frame of deltas")
     if len(raw) != size:
         raise FormatError(f"Expected {size} bytes of deltas. Got {len(raw)} instead.")
     return np.frombuffer(raw, dtype=dtype)
@@ -213,10 +220,10 @@ def _decompress(body: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
 
 def _decode(data: np.ndarray, base: np.ndarray) -> bytes:
     flags, pcode, n, b_cur, b_base, base_hash, n_prot, zlen = _parse_header(data)
-    if xxhash.xxh3_64_intdigest(base) != base_hash:
+    if xxhash.xxh3_64_intdigest(_buffer(base)) != base_hash:
         raise IntegrityError(
             "Expected the base payload this delta was made against (xxh3-64 "
-            f"{base_hash:016x}). Got a different base ({xxhash.xxh3_64_intdigest(base):016x}) "
+            f"{base_hash:016x}). Got a different base ({xxhash.xxh3_64_intdigest(_buffer(base)):016x}) "
             "instead; resolve the delta chain from the object the header names."
         )
     prev = _payload.unpack(base)
@@ -243,7 +250,7 @@ def _decode(data: np.ndarray, base: np.ndarray) -> bytes:
             f"Expected {n_prot} protected ids (id {b_cur - 1}) as the header says. "
             f"Got {int(np.count_nonzero(ids == b_cur - 1))} instead."
         )
-    prot = data[HEADER_SIZE + zlen:].view("<u2" if pname == "bfloat16" else "<f4")
+    prot = data[HEADER_SIZE + zlen:].view(_payload.protected_word(pname))
     return _payload.pack(b_cur, ids, pname, prot)
 
 

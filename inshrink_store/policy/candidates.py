@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store.arrays import ArrayPlan
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.partition import PartitionCache, StateQuantizer
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator
+from inshrink_store.writer import ArrayPlan
 
 #: candidate plan sets held at once during a search (each about the model's size)
 KEEP = 2

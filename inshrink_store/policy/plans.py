@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from inshrink_store.arrays import ArrayPlan
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.ratio import ratio_of
+from inshrink_store.writer import ArrayPlan
 
 
 @dataclass(frozen=True, eq=False)

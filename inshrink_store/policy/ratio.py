@@ -4,7 +4,7 @@ The search ranks candidate configurations by measured compression ratio, so the
 measurement encodes each tensor the way the store does:
 
 - a lossless tensor with the writer's own codec settings
-  (:func:`inshrink_store.arrays.lossless_codecs`: Blosc zstd with byte shuffle), chunk by
+  (:func:`inshrink_store.writer.lossless_codecs`: Blosc zstd with byte shuffle), chunk by
   chunk on the writer's chunk grid (edge chunks padded with the fill value, as zarr writes
   them); the store keeps those chunk objects as they are;
 - a quantized tensor as its ``inshrink.nuq`` payload compressed with zstd at the object
@@ -27,10 +27,10 @@ import numcodecs
 import numpy as np
 import zstandard
 
-from inshrink_store.arrays import ArrayPlan, default_chunks, lossless_codecs
 from inshrink_store.cas import ZSTD_LEVEL
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
+from inshrink_store.writer import ArrayPlan, default_chunks, lossless_codecs
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 

@@ -18,6 +18,8 @@ import numcodecs
 import numpy as np
 from numcodecs.compat import ensure_contiguous_ndarray
 
+from inshrink_store import dtypes
+
 T = TypeVar("T")
 
 
@@ -45,10 +47,16 @@ def _as_input(decoded: Any, like: np.ndarray, what: str) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8).view(like.dtype).reshape(like.shape)
 
 
+def _bits_dtype(name: Any) -> dtypes.DType | None:
+    """The registry entry for an element dtype carried as bit patterns (``"bfloat16"``), else
+    None: other names (a user codec's own) are read as the array's numpy values."""
+    entry = next((d for d in dtypes.REGISTRY.values() if d.codec_name == name), None)
+    return entry if entry is not None and entry.carried_as_bits else None
+
+
 def _as_float(a: np.ndarray, element_dtype: str | None) -> np.ndarray:
-    if element_dtype == "bfloat16":
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
+    entry = _bits_dtype(element_dtype)
+    return (entry.to_float32(a) if entry is not None else a).astype(np.float64)
 
 
 def _check_error(array: np.ndarray, decoded: np.ndarray, bound: float, element_dtype: str | None) -> None:
@@ -93,8 +101,8 @@ def check_codec_roundtrip(codec: Any, array: np.ndarray, max_abs_error: float | 
     """
     array = np.ascontiguousarray(array)
     config = _call("get_config()", codec.get_config)
-    if element_dtype is None and config.get("dtype") == "bfloat16":
-        element_dtype = "bfloat16"
+    if element_dtype is None and _bits_dtype(config.get("dtype")) is not None:
+        element_dtype = config["dtype"]
     text = _call("json.dumps(get_config())", lambda: json.dumps(config, allow_nan=False))
     clone = _call("numcodecs.get_codec(config)", lambda: numcodecs.get_codec(json.loads(text)))
     assert clone == codec, f"the config round trip changed the codec: {codec!r} -> {clone!r}"

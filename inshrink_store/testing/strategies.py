@@ -16,12 +16,11 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from inshrink_store.codecs import bf16
+from inshrink_store import dtypes as registry
+from inshrink_store.codecs._payload import PROTECTED_CODES
 
-ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
-_CARRIER: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")
-}
+#: the element dtypes of the ``inshrink.nuq`` codec, as the dtype registry names them
+ELEMENT_DTYPES = registry.CODEC_NAMES
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,7 @@ class FloatSample:
     @property
     def values(self) -> np.ndarray:
         """The elements as float32 (exact for every element dtype)."""
-        if self.dtype == "bfloat16":
-            return bf16.to_float32(self.array)
-        return self.array.astype(np.float32)
+        return registry.by_codec_name(self.dtype).to_float32(self.array).copy()
 
 
 def shapes(max_dims: int = 3, max_side: int = 17) -> st.SearchStrategy[tuple[int, ...]]:
@@ -45,7 +42,9 @@ def shapes(max_dims: int = 3, max_side: int = 17) -> st.SearchStrategy[tuple[int
 
 
 def _elements(dtype: str, allow_special: bool, max_magnitude: float) -> st.SearchStrategy[float]:
-    width: Literal[16, 32] = 16 if dtype == "float16" else 32
+    """Values hypothesis can draw: float16 for float16, else float32 (narrowed afterwards)."""
+    carrier = registry.by_codec_name(dtype).carrier
+    width: Literal[16, 32] = 16 if carrier.kind == "f" and carrier.itemsize == 2 else 32
     if allow_special:
         return st.floats(width=width)
     return st.floats(-max_magnitude, max_magnitude, width=width)
@@ -65,18 +64,20 @@ def float_arrays(draw: st.DrawFn, dtypes: tuple[str, ...] = ELEMENT_DTYPES,
     dtype = draw(st.sampled_from(list(dtypes)))
     shape = draw(shapes(max_dims, max_side))
     elements = _elements(dtype, allow_special, max_magnitude)
-    if dtype == "bfloat16":  # float32 values rounded to bfloat16 (the rounding keeps NaN bits)
+    entry = registry.by_codec_name(dtype)
+    if entry.carried_as_bits:  # float32 values rounded to it (the rounding keeps NaN bits)
         values = draw(hnp.arrays(np.float32, shape, elements=elements))
-        bits = bf16.from_float32(values).reshape(shape)
-        if not allow_special:  # rounding up may step past the bound
-            bits = np.where(np.abs(bf16.to_float32(bits)) > max_magnitude,
-                            bits - np.uint16(1), bits).astype(np.uint16)
-        return FloatSample(bits, "bfloat16")
-    return FloatSample(draw(hnp.arrays(_CARRIER[dtype], shape, elements=elements)), dtype)
+        bits = entry.from_float32(values).reshape(shape)
+        if not allow_special:  # rounding up may step past the bound: one step toward zero
+            bits = np.where(np.abs(entry.to_float32(bits)) > max_magnitude,
+                            bits - entry.carrier.type(1), bits).astype(entry.carrier)
+        return FloatSample(bits, dtype)
+    carrier = entry.carrier.newbyteorder("<")
+    return FloatSample(draw(hnp.arrays(carrier, shape, elements=elements)), dtype)
 
 
 def _bfloat16(value: float) -> float:
-    return float(bf16.round_float32(np.float32(value))) + 0.0  # -0.0 -> 0.0
+    return float(registry.round_bf16(np.float32(value))) + 0.0  # -0.0 -> 0.0
 
 
 @st.composite
@@ -103,6 +104,6 @@ def nuq_configs(draw: st.DrawFn, dtype: str | None = None,
         "id": "inshrink.nuq",
         "codebook": draw(codebooks()),
         "tolerance": draw(st.sampled_from(list(tolerances))),
-        "protected_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
+        "protected_dtype": draw(st.sampled_from(list(PROTECTED_CODES))),
         "dtype": dtype or draw(st.sampled_from(list(ELEMENT_DTYPES))),
     }

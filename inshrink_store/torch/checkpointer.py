@@ -23,7 +23,6 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from inshrink_store.arrays import previous_codecs
 from inshrink_store.errors import BackgroundSaveError, FormatError, LeaseBrokenError
 from inshrink_store.policy import (
     DEFAULT_CONFIG,
@@ -42,6 +41,7 @@ from inshrink_store.torch.tensors import (
     state_to_arrays,
     torch,
 )
+from inshrink_store.writer import previous_codecs
 
 log = logging.getLogger(__name__)
 

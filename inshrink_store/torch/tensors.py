@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from inshrink_store import dtypes
 from inshrink_store.errors import FormatError, require
 from inshrink_store.structure import flatten, unflatten
 
@@ -23,20 +24,28 @@ torch = require("torch", "torch")
 
 STRUCTURE_ATTR = "inshrink_structure"
 
-#: torch dtype -> (logical name, numpy dtype that carries it)
-TORCH_DTYPES: dict[Any, tuple[str, str]] = {
-    torch.float64: ("F64", "float64"), torch.float32: ("F32", "float32"),
-    torch.float16: ("F16", "float16"), torch.bfloat16: ("BF16", "uint16"),
-    torch.int64: ("I64", "int64"), torch.int32: ("I32", "int32"), torch.int16: ("I16", "int16"),
-    torch.int8: ("I8", "int8"), torch.uint8: ("U8", "uint8"), torch.bool: ("BOOL", "bool"),
+#: torch dtype -> logical dtype name in :mod:`inshrink_store.dtypes` (which says how it is
+#: carried); torch's unsigned 16/32/64-bit types are too new to rely on, so U16..U64 stay out
+TORCH_DTYPES: dict[Any, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
 }
-_BY_NAME = {name: dt for dt, (name, _) in TORCH_DTYPES.items()}
+_BY_NAME = {name: dt for dt, name in TORCH_DTYPES.items()}
+
+
+def _bit_view(entry: dtypes.DType) -> tuple[np.dtype, Any]:
+    """The signed integer type (numpy, torch) as wide as ``entry``'s carrier: a dtype carried
+    as bits crosses between torch and numpy through it, since numpy has no bfloat16 and
+    older torch no uint16."""
+    signed = np.dtype(f"i{entry.carrier.itemsize}")
+    return signed, _BY_NAME[dtypes.of_array(np.empty(0, signed)).name]
 
 
 def tensor_to_array(tensor: Any, path: str) -> tuple[np.ndarray, str]:
     """A contiguous CPU numpy copy and the logical dtype name; unsupported dtypes are errors."""
     if tensor.dtype not in TORCH_DTYPES:
-        supported = ", ".join(n for n, _ in TORCH_DTYPES.values())
+        supported = ", ".join(TORCH_DTYPES.values())
         raise FormatError(
             f"Expected tensor {path!r} to have a supported dtype ({supported}). "
             f"Got {tensor.dtype} instead; convert it (e.g. complex -> torch.view_as_real)."
@@ -47,10 +56,11 @@ def tensor_to_array(tensor: Any, path: str) -> tuple[np.ndarray, str]:
             f"Expected tensor {path!r} to be a dense tensor with data. Got {kind} instead; "
             "convert it first (e.g. .to_dense(), or materialise it on a real device)."
         )
-    name, carrier = TORCH_DTYPES[tensor.dtype]
+    name = TORCH_DTYPES[tensor.dtype]
+    entry = dtypes.get(name, f"tensor {path!r}")
     t = tensor.detach().to("cpu").contiguous()
-    if tensor.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16).copy(), name
+    if entry.carried_as_bits:
+        return t.view(_bit_view(entry)[1]).numpy().view(entry.carrier).copy(), name
     return t.numpy().copy(), name
 
 
@@ -58,8 +68,9 @@ def array_to_tensor(array: np.ndarray, name: str) -> Any:
     if name not in _BY_NAME:
         raise FormatError(f"Expected a logical dtype in {sorted(_BY_NAME)}. Got {name!r} instead.")
     array = np.array(array, order="C", copy=True)  # not ascontiguousarray: it makes 0-d arrays 1-d
-    if name == "BF16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    entry = dtypes.get(name)
+    if entry.carried_as_bits:
+        return torch.from_numpy(array.view(_bit_view(entry)[0])).view(_BY_NAME[name])
     return torch.from_numpy(array)
 
 

@@ -13,7 +13,8 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrink_store.codecs import _payload, bf16
+from inshrink_store import dtypes
+from inshrink_store.codecs import _payload
 from inshrink_store.codecs.nuq import _BLOCK, NUQ, NUQZarrCodec, nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.testing import check_codec_roundtrip
@@ -89,7 +90,7 @@ def test_special_values_are_protected_and_exact(sample):
     encoded = codec.encode(sample.array)
     decoded = codec.decode(encoded)
     v = sample.values.reshape(-1)
-    d = bf16.to_float32(decoded) if sample.dtype == "bfloat16" else decoded.astype(np.float32)
+    d = dtypes.bf16_to_float32(decoded) if sample.dtype == "bfloat16" else decoded.astype(np.float32)
     special = ~np.isfinite(v)
     assert np.array_equal(_payload.unpack(encoded).ids == 3, special)
     assert np.array_equal(_bits(decoded)[special], _bits(sample.array.reshape(-1))[special])
@@ -112,7 +113,7 @@ def test_nan_and_inf_bit_patterns_survive_where_the_protected_dtype_holds_them(d
 
 
 @pytest.mark.parametrize(("dtype", "values", "expected"), [
-    ("float32", [3.4e38, -np.finfo(np.float32).max], [bf16.to_float32(0x7F7F), -bf16.to_float32(0x7F7F)]),
+    ("float32", [3.4e38, -np.finfo(np.float32).max], [dtypes.bf16_to_float32(0x7F7F), -dtypes.bf16_to_float32(0x7F7F)]),
     ("float16", [65504.0, -65504.0, 65472.0], [65280.0, -65280.0, 65280.0]),
 ])
 def test_finite_values_stay_finite_when_bfloat16_rounding_would_overflow(dtype, values, expected):
@@ -136,7 +137,7 @@ def test_values_equal_to_a_centre_take_its_id_and_others_are_protected():
 def test_centres_match_after_rounding_to_the_element_dtype(dtype):
     codec = NUQ([0.1, 0.3], tolerance=0.0, dtype=dtype)  # neither is representable exactly
     x = np.array([0.1, 0.3], np.float32)
-    array = bf16.from_float32(x) if dtype == "bfloat16" else x.astype(np.float16)
+    array = dtypes.float32_to_bf16(x) if dtype == "bfloat16" else x.astype(np.float16)
     payload = _payload.unpack(codec.encode(array))
     assert payload.ids.tolist() == [0, 1] and payload.protected.size == 0
 
@@ -246,7 +247,7 @@ def test_zarr_array_roundtrip_and_payload_sniffing(dtype):
     arr = zarr.create_array(store=store, shape=(6, 4), chunks=(3, 4), dtype=carrier,
                             serializer=codec, compressors=None, fill_value=0)
     values = np.array([[0.5, 0.0, -0.5, 0.75]] * 6, np.float32)
-    data = bf16.from_float32(values) if dtype == "bfloat16" else values.astype(dtype)
+    data = dtypes.float32_to_bf16(values) if dtype == "bfloat16" else values.astype(dtype)
     arr[...] = data
     assert np.array_equal(arr[...], data)
     raw = store._store_dict["c/0/0"].to_bytes()

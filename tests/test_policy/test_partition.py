@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrink_store.codecs import bf16
+from inshrink_store import dtypes
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.policy import (
@@ -60,7 +60,7 @@ def test_values_are_centres_zero_or_protected_and_fractions_hold(seed, bins, pru
         assert np.array_equal(book.astype(np.float32).astype(np.float64), book)  # exact in F32
         on_centre = np.isin(q.values, book.astype(np.float32))
         protected = ~on_centre  # everything off the codebook is a bfloat16-rounded original
-        assert np.array_equal(q.values[protected], bf16.round_float32(w[protected]))
+        assert np.array_equal(q.values[protected], dtypes.round_bf16(w[protected]))
         count = round(protect * w.size)
         n_prot = q.stats["protected_fraction"] * w.size
         assert count <= n_prot <= (2 if sens else 1) * count
@@ -68,7 +68,7 @@ def test_values_are_centres_zero_or_protected_and_fractions_hold(seed, bins, pru
         # the top |w| and (when given) the top |g*w| are protected whatever else happens
         for scores in ([w] + ([state[name].sensitivity] if sens else [])):
             top = np.argsort(np.abs(scores).ravel())[w.size - count:]
-            assert np.array_equal(q.values.ravel()[top], bf16.round_float32(w.ravel()[top]))
+            assert np.array_equal(q.values.ravel()[top], dtypes.round_bf16(w.ravel()[top]))
         assert q.stats["rel_l2_error"] == pytest.approx(
             np.linalg.norm((w - q.values).astype(np.float64)) / np.linalg.norm(w.astype(np.float64)), rel=1e-6)
 
@@ -126,7 +126,7 @@ def test_sensitivity_top_is_protected_even_for_a_small_weight():
     out = quantize_state({"w": TensorInput(w, "F32", sensitivity=sens)},
                          QuantConfig(prune=0.5, protect=0.0005))
     for i, j in top:
-        assert out["w"].values[i, j] == bf16.round_float32(np.float32([1e-4]))[0]
+        assert out["w"].values[i, j] == dtypes.round_bf16(np.float32([1e-4]))[0]
 
 
 def test_skips_what_stays_lossless_and_keeps_nonfinite():
@@ -148,10 +148,10 @@ def test_deterministic_and_dtype_exact_codebooks():
     assert all(np.array_equal(a[k].values, b[k].values) and a[k].codebook == b[k].codebook for k in a)
     w = (np.random.default_rng(4).standard_normal((64, 64)) * 0.02)
     for dtype, cast in (("F16", np.float16), ("BF16", None)):
-        vals = w.astype(np.float16).astype(np.float32) if cast else bf16.round_float32(w.astype(np.float32))
+        vals = w.astype(np.float16).astype(np.float32) if cast else dtypes.round_bf16(w.astype(np.float32))
         q = quantize_state({"w": TensorInput(vals, dtype)}, QuantConfig(bins=32))["w"]
         book = np.float32(q.codebook)
-        through = book.astype(np.float16).astype(np.float32) if cast else bf16.round_float32(book)
+        through = book.astype(np.float16).astype(np.float32) if cast else dtypes.round_bf16(book)
         assert np.array_equal(through, book)
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import arrays
+from inshrink_store import writer
 from inshrink_store.manifest import Snapshot
 
 
@@ -139,8 +139,8 @@ ROWS_PER_CHUNK = 16
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 KiB chunks instead of 4 MiB, so a test tensor spans several chunks cheaply."""
-    original = arrays.default_chunks
-    monkeypatch.setattr(arrays, "default_chunks", lambda shape, itemsize: original(shape, itemsize, 4096))
+    original = writer.default_chunks
+    monkeypatch.setattr(writer, "default_chunks", lambda shape, itemsize: original(shape, itemsize, 4096))
 
 
 def _objects(repo: ins.Repository) -> set[str]:

@@ -1,0 +1,171 @@
+"""Reading one committed version: tensors as zarr arrays, decoded in full on request.
+
+Everything known from metadata (names, shapes, dtypes, chunk ids) comes from the
+snapshot's :class:`~inshrink_store.index.SnapshotIndex`, so listing or opening tensors
+reads no tree twice. Before a large array is allocated, its declared size is bounded by
+the chunk objects that back it: a damaged or crafted store cannot make a reader
+allocate what its bytes cannot justify.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import zarr
+
+from inshrink_store import dtypes
+from inshrink_store.dtypes import bf16_to_float32  # noqa: F401 - re-exported
+from inshrink_store.errors import InshrinkError, IntegrityError, NotFoundError
+from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exported
+    MAX_MISSING_CHUNKS,
+    METADATA_KEY,
+    SPARSE_LIMIT,
+    ArrayInfo,
+    SnapshotIndex,
+)
+from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
+
+#: the most bytes one chunk may decode to per stored byte of its object (the writer's worst
+#: case, an all-zero quantized chunk, is about 42,000; blosc'd zeros about 4,000)
+MAX_CHUNK_EXPANSION = 1 << 17
+_PARALLEL_SIZES = 8
+
+
+def iter_array_docs(view: SnapshotChunks) -> list[tuple[str, dict[str, Any]]]:
+    """(path, zarr.json document) of every array node of ``view``, sorted by path.
+
+    A node whose zarr.json is not a JSON object is an :class:`IntegrityError` naming it.
+    Prefer ``view.index.array_docs()``."""
+    return view.index.array_docs()
+
+
+class SnapshotReader:
+    """One version, read lazily: ``reader["layer.weight"]`` is a zarr.Array.
+
+    ``index`` is the snapshot's :class:`SnapshotIndex` (every metadata query); ``view``,
+    the zarr key view, stays public only until its last users move to ``index``."""
+
+    def __init__(self, info: Any, view: SnapshotChunks) -> None:
+        self.info = info
+        self.id: str = info.id
+        self.view = view
+        self.index: SnapshotIndex = view.index
+        self.store = InshrinkStore(view, read_only=True)
+
+    def __repr__(self) -> str:
+        return f"SnapshotReader({self.id[:12]}, {len(self.arrays())} tensors)"
+
+    @property
+    def group(self) -> zarr.Group:
+        return self._zarr("the root group", lambda: zarr.open_group(store=self.store, mode="r"))
+
+    def _zarr(self, what: str, action: Callable[[], Any]) -> Any:
+        """Run a zarr call on this snapshot; zarr's own errors on malformed metadata or chunk
+        bytes become an IntegrityError naming ``what`` (ours pass through unchanged)."""
+        try:
+            return action()
+        except (InshrinkError, MemoryError):
+            raise
+        except Exception as exc:  # zarr parsing hostile metadata raises almost anything
+            raise IntegrityError(
+                f"Expected zarr to read {what} of snapshot {self.id}. Got "
+                f"{type(exc).__name__}: {str(exc)[:200]} instead: its metadata or chunks are "
+                "corrupt. Run `inshrink verify`."
+            ) from exc
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        group = self.group
+        return self._zarr("the root group's attributes", lambda: dict(group.attrs))
+
+    def arrays(self) -> dict[str, ArrayInfo]:
+        """Path -> shape, dtype, chunking, storage kind, from metadata only (no chunk reads).
+
+        Every array's zarr.json is validated first: shape and chunk_shape are lists of
+        integers (>= 0, >= 1) of one rank, the dtype is known, and an array whose declared
+        size or chunk size is over :data:`SPARSE_LIMIT` bytes must have every chunk of its
+        grid in its node tree (keys checked against the grid and the chunk key encoding).
+        The writer stores every chunk; only small arrays written by plain zarr (whose
+        default skips chunks equal to the fill value) may miss up to
+        :data:`MAX_MISSING_CHUNKS` chunks, read as the fill value. Otherwise an
+        IntegrityError (or a FormatError for an unsupported dtype) names the tensor,
+        before anything is allocated.
+        """
+        return self.index.arrays()
+
+    def names(self) -> list[str]:
+        return sorted(self.arrays())
+
+    def resolve_name(self, name: str) -> str:
+        infos = self.arrays()
+        for candidate in (name, f"model/{name}"):
+            if candidate in infos:
+                return candidate
+        close = [p for p in infos if name.split("/")[-1] in p][:5]
+        hint = f" Similar: {', '.join(close)}." if close else ""
+        raise NotFoundError(
+            f"Expected a tensor named {name!r} in snapshot {self.id[:12]}. Got no such tensor "
+            f"instead ({len(infos)} tensors; list them with `inshrink ls`).{hint}"
+        )
+
+    def __getitem__(self, name: str) -> zarr.Array:
+        path = self.resolve_name(name)
+        return self._zarr(f"tensor {path!r}",
+                          lambda: zarr.open_array(store=self.store, path=path, mode="r"))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self.arrays() or f"model/{name}" in self.arrays())
+
+    def read(self, name: str) -> np.ndarray:
+        """The stored array (BF16 as uint16 bit patterns), decoded in full.
+
+        Before allocating, an array over :data:`SPARSE_LIMIT` bytes must be backed by chunk
+        objects that can hold it: each chunk may decode to at most
+        :data:`MAX_CHUNK_EXPANSION` bytes per stored byte of its object (checked from the
+        objects' stored sizes); otherwise an IntegrityError names the tensor and chunk.
+        """
+        path = self.resolve_name(name)
+        info = self.arrays()[path]
+        self._check_backing(info)
+        array = self[path]
+        if math.prod(info.shape) == 0:
+            return np.zeros(info.shape, dtype=array.dtype)
+        return self._zarr(f"tensor {path!r}", lambda: np.asarray(array[...]))
+
+    def _check_backing(self, info: ArrayInfo) -> None:
+        if max(info.logical_bytes, info.chunk_bytes) <= SPARSE_LIMIT:
+            return
+        need = -(-info.chunk_bytes // MAX_CHUNK_EXPANSION)  # stored bytes one chunk needs
+        oids = sorted({oid for key, oid in info.chunk_ids.items() if key != METADATA_KEY})
+        objects = self.view.objects
+        with ThreadPoolExecutor(_PARALLEL_SIZES) as pool:
+            sizes = dict(zip(oids, pool.map(objects.stored_size, oids), strict=True))
+        for key, oid in sorted(info.chunk_ids.items()):
+            if key != METADATA_KEY and sizes[oid] < need:
+                raise IntegrityError(
+                    f"Expected chunk {key!r} of tensor {info.path!r} in snapshot {self.id} "
+                    f"(chunks of {info.chunk_bytes} bytes) to be stored in at least {need} bytes "
+                    f"(one stored byte per {MAX_CHUNK_EXPANSION} decoded). Got object {oid} of "
+                    f"{sizes[oid]} bytes instead: the array's metadata is corrupt (refusing to "
+                    "allocate it). Run `inshrink verify`."
+                )
+
+    def read_float(self, name: str) -> np.ndarray:
+        """Values as float (dtypes carried as bits, such as BF16, widened to float32), for
+        statistics and comparisons."""
+        path = self.resolve_name(name)
+        data = self.read(path)
+        entry = dtypes.REGISTRY.get(self.arrays()[path].dtype)
+        if entry is not None and entry.carried_as_bits:
+            return entry.to_float32(data)
+        return data
+
+    def load(self) -> dict[str, np.ndarray]:
+        return {path: self.read(path) for path in self.names()}
+
+    def dtypes(self) -> dict[str, str]:
+        return {p: i.dtype for p, i in self.arrays().items()}

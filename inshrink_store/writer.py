@@ -1,0 +1,144 @@
+"""Tensors -> zarr arrays of one pending version: naming, dtypes, chunking, codec choice.
+
+Each tensor is one zarr array at a '/'-separated path. Lossless tensors use
+bytes + byte-shuffle + zstd (Blosc); tensors a planner quantizes use the
+``inshrink.nuq`` serializer and no compressor, because the store entropy-codes
+(and delta-codes) quantized payloads itself. A dtype zarr has no type for (bfloat16)
+is written as its carrier (uint16 bit patterns) with the logical dtype in
+``attributes["inshrink"]["dtype"]``; :mod:`inshrink_store.dtypes` says which.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, BytesCodec
+
+from inshrink_store import dtypes
+from inshrink_store.errors import FormatError
+from inshrink_store.index import ATTR, SnapshotIndex
+from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
+
+CHUNK_BYTES = 4 << 20  # see docs/understanding/chunking.md
+Chunking = Callable[[tuple[int, ...], int], tuple[int, ...]]
+
+
+def dtype_name(array: np.ndarray, declared: str | None, path: str) -> str:
+    """The logical dtype of tensor ``path`` (see :func:`inshrink_store.dtypes.of_array`):
+    ``declared`` checked against the array's carrier, or inferred (BF16 must be declared)."""
+    return dtypes.of_array(array, declared, path).name
+
+
+def check_path(path: str) -> str:
+    """Array paths: '/'-separated components, none empty, '.', '..', or starting with '__'."""
+    if not isinstance(path, str) or not path:
+        raise FormatError(f"Expected a non-empty tensor name. Got {path!r} instead.")
+    for part in path.split("/"):
+        if part in ("", ".", "..") or part.startswith("__") or "\\" in part or part == "zarr.json":
+            raise FormatError(
+                f"Expected tensor name {path!r} to have no empty, '.', '..', '__*' or 'zarr.json' "
+                f"parts and no backslash. Got the part {part!r} instead; rename the tensor."
+            )
+    return path
+
+
+def check_no_nesting(paths: Iterable[str]) -> None:
+    """A tensor cannot also be a group: 'a' and 'a/b' together have no zarr layout."""
+    known = set(paths)
+    for b in sorted(known):
+        parts = b.split("/")
+        for cut in range(1, len(parts)):
+            a = "/".join(parts[:cut])
+            if a not in known:
+                continue
+            raise FormatError(
+                f"Expected no tensor name to be a prefix group of another. Got {a!r} and {b!r} "
+                "instead; rename one of them."
+            )
+
+
+def default_chunks(shape: tuple[int, ...], itemsize: int, target: int | None = None) -> tuple[int, ...]:
+    """Split along leading axes into chunks of about ``target`` bytes (rows stay whole if they fit)."""
+    target = CHUNK_BYTES if target is None else target
+    chunks = [max(1, s) for s in shape]
+    for axis in range(len(chunks)):
+        inner = math.prod(chunks[axis + 1 :]) * itemsize
+        if inner * chunks[axis] <= target:
+            break
+        if inner <= target:
+            chunks[axis] = max(1, target // inner)
+            break
+        chunks[axis] = 1
+    return tuple(chunks)
+
+
+def lossless_codecs(array: np.ndarray) -> dict[str, Any]:
+    shuffle: Literal["shuffle", "noshuffle"] = "shuffle" if array.dtype.itemsize > 1 else "noshuffle"
+    return {
+        "serializer": BytesCodec(),
+        "compressors": [BloscCodec(cname="zstd", clevel=3, shuffle=shuffle, typesize=array.dtype.itemsize)],
+    }
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """How a planner wants one tensor stored: the values to write and the zarr serializer."""
+
+    values: np.ndarray
+    serializer: Any
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+
+
+def write_arrays(
+    store: InshrinkStore,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    attributes: Mapping[str, Any] | None = None,
+    dtypes: Mapping[str, str] | None = None,
+    planner: Any = None,
+    previous: Mapping[str, dict[str, Any]] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    chunking: Chunking | None = None,
+) -> None:
+    """Write every tensor as an array of ``store``; nothing is committed here.
+
+    ``chunking(shape, itemsize)`` picks chunk shapes (:func:`default_chunks` by default)."""
+    chunking = chunking or default_chunks
+    declared = dict(dtypes or {})
+    arrays = {check_path(p): np.asarray(a) for p, a in tensors.items()}
+    names = {p: dtype_name(a, declared.get(p), p) for p, a in arrays.items()}
+    check_no_nesting(arrays)
+    zarr.open_group(store=store, mode="a").attrs.update(dict(attributes or {}))
+    plans: Mapping[str, ArrayPlan] = planner.plan(arrays, names, previous or {}) if planner else {}
+    for i, (path, array) in enumerate(sorted(arrays.items())):
+        plan = plans.get(path)
+        meta: dict[str, Any] = {"dtype": names[path], "storage": "quantized" if plan else "lossless"}
+        if plan is not None:
+            meta.update(plan.attributes)
+            data, codecs = plan.values, {"serializer": plan.serializer, "compressors": None}
+        else:
+            data, codecs = array, lossless_codecs(array)
+        z = zarr.create_array(
+            store=store, name=path, shape=data.shape, dtype=data.dtype,
+            chunks=chunking(data.shape, data.dtype.itemsize), fill_value=0,
+            attributes={ATTR: meta}, overwrite=True, config={"write_empty_chunks": True}, **codecs,
+        )
+        if data.size:
+            z[...] = data
+        if progress:
+            progress(path, i + 1, len(arrays))
+
+
+def previous_codecs(parent: SnapshotChunks | SnapshotIndex | Any | None) -> dict[str, dict[str, Any]]:
+    """Path -> {"codec": nuq configuration, "attributes": inshrink attrs} of the quantized
+    arrays of the parent version (a view, reader or index; None for none): the codebooks a
+    planner may reuse. Read from the parent's shared index, so its trees are read once."""
+    if parent is None:
+        return {}
+    index = parent if isinstance(parent, SnapshotIndex) else parent.index
+    return index.quantization_codecs()
