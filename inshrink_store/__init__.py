@@ -2,10 +2,13 @@
 
 ``import inshrink_store as ins`` needs only numpy, zarr, numcodecs, fsspec and xxhash;
 torch lives in :mod:`inshrink_store.torch`, cupy, s3fs and gcsfs are optional.
+Everything a caller gets back from the public API is importable from here.
 """
 
+from inshrink_store.admin import DiffReport, GcReport, Problem, TensorChange, UsageRow, VerifyReport
 from inshrink_store.errors import (
     AlreadyExistsError,
+    BackgroundSaveError,
     ConflictError,
     FormatError,
     GcRunningError,
@@ -17,12 +20,29 @@ from inshrink_store.errors import (
     NotFoundError,
     StorageError,
 )
-from inshrink_store.repository import Repository, SnapshotInfo, Transaction, init, open  # noqa: A004
+from inshrink_store.index import ArrayInfo
+from inshrink_store.policy import QuantConfig, QuantizationRecord
+from inshrink_store.reader import SnapshotReader
+from inshrink_store.repository import (  # noqa: A004 - open mirrors zarr.open
+    Repository,
+    SnapshotInfo,
+    Transaction,
+    WriteSession,
+    init,
+    open,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlreadyExistsError", "ConflictError", "FormatError", "GcRunningError", "InshrinkError", "IntegrityError", "InvalidInputError",
-    "LeaseBrokenError", "MissingDependencyError",
-    "NotFoundError", "StorageError", "Repository", "SnapshotInfo", "Transaction", "init", "open", "__version__",
+    # opening a store
+    "Repository", "init", "open",
+    # what the API returns
+    "ArrayInfo", "DiffReport", "GcReport", "Problem", "QuantConfig", "QuantizationRecord", "SnapshotInfo",
+    "SnapshotReader", "TensorChange", "Transaction", "UsageRow", "VerifyReport", "WriteSession",
+    # errors
+    "AlreadyExistsError", "BackgroundSaveError", "ConflictError", "FormatError", "GcRunningError",
+    "InshrinkError", "IntegrityError", "InvalidInputError", "LeaseBrokenError", "MissingDependencyError",
+    "NotFoundError", "StorageError",
+    "__version__",
 ]

@@ -224,5 +224,5 @@ TestGcProtocol.settings = settings(max_examples=40, stateful_step_count=25, dead
 
 @pytest.mark.slow
 class TestGcProtocolLong(GcProtocolMachine.TestCase):
-    settings = settings(max_examples=1500, stateful_step_count=40, deadline=None,
+    settings = settings(max_examples=500, stateful_step_count=40, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow])
