@@ -242,9 +242,9 @@ class HeldLease:
             if self.released:
                 return
             issued = CLOCK.monotonic()
-            if self.kind == "gc" and (issued - self.renewed_at >= self.expiry / 3 or self.broken()):
-                # Lapsed or broken: a writer may already have judged us dead and gone ahead,
-                # so renewing now would claim a lease that is no longer ours. Stop for good.
+            if issued - self.renewed_at >= self.expiry / 3 or self.broken():
+                # Lapsed or broken: another process may already have judged us dead and gone
+                # ahead, so renewing now would claim a lease that is no longer ours. Stop for good.
                 self.lost = True
                 return
             self.storage.write(self.path, _doc(self.token, self.kind, self.created, self.count + 1))
@@ -342,8 +342,23 @@ def acquire_writer(storage: Any, wait: float = 0.0, on_wait: Any = None) -> Held
         CLOCK.sleep(min(0.5, max(0.0, deadline - CLOCK.monotonic())))
 
 
+def check_publishable(storage: Any, held: HeldLease) -> None:
+    """Right before a ref is created: the writer's lease must still be valid by its own
+    clock. A writer that stalled past a third of the expiry may have been judged dead by a
+    gc that watched it (even after it fenced ``commit``), so it must not publish now."""
+    if not held.valid():
+        held.lost = True
+        raise LeaseBrokenError(
+            f"Expected this writer's lease {held.path} on {storage.url!r} to be valid when "
+            "publishing. Got it lapsed (not renewed for "
+            f"{CLOCK.monotonic() - held.renewed_at:.0f} s: the process stalled) instead; "
+            "nothing was published and no version was lost: retry the commit."
+        )
+
+
 def fence_for_commit(storage: Any, held: HeldLease) -> None:
     """The writer's last step before publishing a ref: win its fence, or learn it was broken."""
+    check_publishable(storage, held)
     try:
         storage.create_exclusive(f"{FENCES}/{held.token}", FENCE_COMMIT)
     except FileExistsError:
@@ -392,8 +407,12 @@ def acquire_gc(storage: Any, *, wait: float = 0.0, stale_after: float = STALE_AF
                 )
             for lease in writers(storage):
                 fence = _read_fence(storage, lease.token)
-                if fence:  # decided already: broken (dead for good) or publishing (alive)
-                    (dead if fence.startswith(FENCE_BROKEN) else live).append(lease)
+                if fence.startswith(FENCE_BROKEN):
+                    dead.append(lease)  # fenced off before: dead for good
+                    continue
+                if fence:  # publishing: alive, unless it cannot publish any more
+                    gone = lease.process_gone() or watch.expired(lease)  # lapsed: it self-fences
+                    (dead if gone else live).append(lease)
                     continue
                 if not (lease.process_gone() or lease.wall_age() >= stale_after or watch.expired(lease)):
                     live.append(lease)

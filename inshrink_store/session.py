@@ -119,6 +119,7 @@ class WriteSession:
         leases.fence_for_commit(storage, lease)  # a gc that judged us dead wins: publish nothing
         for _ in range(MAX_REBASES):
             storage.write(snapshot_path(snap.id), snap.to_bytes())
+            leases.check_publishable(storage, lease)
             try:
                 self._parts.refs.advance(self.branch, seq, snap.id)
                 break

@@ -205,12 +205,31 @@ def test_a_publishing_writer_is_never_broken(memory_url: str, clock: FakeClock) 
     tx = repo.transaction("main")
     tx.write(_state(1))
     leases.fence_for_commit(repo._storage, tx.lease)  # the writer is between fence and ref
-    clock.now += leases.STALE_AFTER + 1
-    with pytest.raises(ins.ConflictError, match="writer lease"):
-        repo.gc()
+    with pytest.MonkeyPatch.context() as skewed:  # gc's clock says the writer is ancient
+        skewed.setattr(leases.Lease, "wall_age", lambda self: leases.STALE_AFTER + 1)
+        with pytest.raises(ins.ConflictError, match="writer lease"):
+            repo.gc()
     info = tx.commit(message="v1")
     assert repo.gc().deleted["objects"] == []
     np.testing.assert_array_equal(repo.load(info.id)["model/w"], _state(1)["model/w"])
+
+
+def test_a_stalled_writer_does_not_publish_and_a_watching_gc_goes_on(memory_url: str, clock: FakeClock) -> None:
+    """A writer that fenced ``commit`` and then stalled past its lease: a gc that watched it
+    go unrenewed for the expiry takes it for dead, and the writer, waking up, must not
+    publish (its own clock says its lease lapsed)."""
+    repo = ins.open(memory_url, create=True)
+    head = repo.save(_state(0)).id
+    tx = repo.transaction("main")
+    tx.write(_state(1))
+    leases.fence_for_commit(repo._storage, tx.lease)
+    report = repo.gc(wait=2 * leases.EXPIRY)  # watches it; the fake clock advances as gc waits
+    assert tx.lease is not None and tx.lease.path in report.deleted["leases"]
+    assert report.deleted["objects"]  # the stalled writer's objects were garbage
+    with pytest.raises(ins.LeaseBrokenError, match="lapsed"):
+        tx.commit(message="woke up too late")
+    tx.abort()
+    assert repo.resolve("main") == head and repo.verify().ok
 
 
 def test_a_killed_gc_on_this_machine_blocks_no_commit(memory_url: str, local_url: str) -> None:
