@@ -1,8 +1,13 @@
 """The ``inshrink`` command line: verbs on a store URL, calling the public API only.
 
-Exit codes: 0 ok, 1 a problem found (bad object, unknown ref, failed import), 2 usage
-error. ``--json`` prints machine-readable output; long work shows a progress bar on
-stderr. Errors print one clear line, never a traceback.
+Exit codes: 0 ok, 1 a problem found (bad object, unknown ref, failed import, an
+unreachable backend), 2 usage error (a bad option value or combination). ``--json``
+prints machine-readable output; long work shows a progress bar on stderr. Errors print
+one clear line, never a traceback; backend loggers (gcsfs, botocore) are kept quiet.
+
+s3:// and gs:// stores are opened with a short connect timeout (``--timeout``, or the
+``INSHRINK_TIMEOUT`` environment variable; 5 seconds by default) and few retries, so a
+missing endpoint or network fails in seconds, not minutes.
 
 Everything that comes from the user or the store (messages, tensor names, refs, metadata,
 URLs, error text) reaches rich as :class:`rich.text.Text`, never as a markup string, so
@@ -12,15 +17,19 @@ URLs, error text) reaches rich as :class:`rich.text.Text`, never as a markup str
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import logging
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import fsspec
 import numpy as np
 import typer
 from rich.console import Console
@@ -30,6 +39,7 @@ from rich.text import Text
 
 import inshrink_store as ins
 from inshrink_store.errors import FormatError, InshrinkError
+from inshrink_store.policy.config import MAX_LEVELS
 from inshrink_store.policy.record import QuantizationRecord
 
 app = typer.Typer(
@@ -50,8 +60,102 @@ def _console(stderr: bool = False) -> Console:
 out = _console()
 err = _console(stderr=True)
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-DeleteOpt = Annotated[bool, typer.Option("--delete", "-d", help="Delete NAME instead of creating it.")]
+
+
+def _flag(*names: str, help: str) -> Any:  # noqa: A002 - typer's own keyword
+    """A plain on/off flag: no value, and shown without a ``<bool>`` type in --help."""
+    return typer.Option(*names, metavar="", help=help)
+
+
+JsonOpt = Annotated[bool, _flag("--json", help="Print JSON instead of a table.")]
+DeleteOpt = Annotated[bool, _flag("--delete", "-d", help="Delete NAME instead of creating it.")]
+
+DEFAULT_TIMEOUT = 5.0
+TIMEOUT_ENV = "INSHRINK_TIMEOUT"
+REMOTE = ("s3", "s3a", "gs", "gcs")
+
+
+@dataclasses.dataclass
+class _Session:
+    """Settings of this invocation (global options) and the store URL being worked on."""
+
+    timeout: float = DEFAULT_TIMEOUT
+    url: str | None = None
+
+
+_session = _Session()
+
+
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 version``, ``2 versions``."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        _say(out, f"inshrink-store {ins.__version__}")
+        raise typer.Exit()
+
+
+def _check_timeout(value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(
+            f"Expected a number of seconds above 0. Got {value!r} instead; e.g. --timeout 30 "
+            f"(or {TIMEOUT_ENV}=30)."
+        )
+    return value
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", metavar="", is_eager=True, callback=_show_version,
+        help="Print the version (inshrink-store X.Y.Z) and exit.")] = False,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", envvar=TIMEOUT_ENV, metavar="SECONDS", callback=_check_timeout,
+        help="Connect timeout for s3:// and gs:// stores (retried once). Give it before the "
+        "command: inshrink --timeout 30 log s3://bucket/store.")] = DEFAULT_TIMEOUT,
+) -> None:
+    _session.timeout = timeout
+    _session.url = None
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def _storage_options(url: str) -> dict[str, Any] | None:
+    """Backend options for the CLI: a short connect timeout and few retries on s3:// and
+    gs:// (botocore's defaults wait far longer when an endpoint or the network is gone).
+    Other settings come from fsspec's configuration and the usual environment variables
+    (AWS_ENDPOINT_URL, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS...)."""
+    protocol = _protocol(url)
+    if protocol in ("s3", "s3a"):
+        configured = (fsspec.config.conf.get("s3") or {}).get("config_kwargs") or {}
+        return {"config_kwargs": {"retries": {"max_attempts": 2}, **configured,
+                                  "connect_timeout": _session.timeout}}
+    if protocol in ("gs", "gcs"):
+        try:
+            import aiohttp
+        except ImportError:  # gcsfs is not installed: Storage names the extra to install
+            return None
+        return {"requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=_session.timeout)}
+    return None
+
+
+def _backend_hint(url: str | None) -> str:
+    """Where a remote backend gets its settings, for an error line about it."""
+    protocol = _protocol(url or "")
+    if protocol in ("s3", "s3a"):
+        where = ("S3 credentials come from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+                 "an endpoint other than AWS from AWS_ENDPOINT_URL")
+    elif protocol in ("gs", "gcs"):
+        where = ("GCS credentials come from GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth "
+                 "application-default login`")
+    else:
+        return ""
+    return (f" ({where}; connections time out after {_session.timeout:g}s: change it with "
+            f"`inshrink --timeout SECONDS ...` or {TIMEOUT_ENV}.)")
 
 
 def _text(value: Any) -> Text:
@@ -144,19 +248,183 @@ def _reading_config(url: str) -> Iterator[None]:
 
 
 def _open(url: str, create: bool = False) -> ins.Repository:
+    _session.url = url
     if create:
         _require_room_for_store(url)
-    with _reading_config(url):
-        return ins.open(url, create=create)
+    with _reading_config(url), _naming_a_missing_bucket(url):
+        return ins.open(url, create=create, storage_options=_storage_options(url))
+
+
+def _remote_fs(url: str) -> tuple[Any, str]:
+    """The fsspec file system and root path of a remote URL, with the CLI's options."""
+    fs, root = fsspec.core.url_to_fs(url, **(_storage_options(url) or {}))
+    return fs, root.rstrip("/")
+
+
+def _missing_bucket(url: str) -> str | None:
+    """The bucket of an s3:// or gs:// URL when the backend says it does not exist, else
+    None (also when that cannot be told: the error at hand is then reported as it is)."""
+    if _protocol(url) not in REMOTE:
+        return None
+    try:
+        fs, root = _remote_fs(url)
+        bucket = root.split("/", 1)[0]
+        if bucket:
+            fs.info(bucket)  # not fs.exists: it answers False for a closed endpoint too
+    except FileNotFoundError:
+        return bucket
+    except Exception:  # noqa: BLE001 - only a hint: any other failure means "cannot tell"
+        return None
+    return None
+
+
+def _no_bucket_error(url: str, bucket: str) -> ins.NotFoundError:
+    return ins.NotFoundError(
+        f"Expected the bucket {bucket!r} of {url!r} to exist. Got no such bucket instead (bucket "
+        f"{bucket} does not exist); create the bucket first, or check the URL's spelling."
+    )
+
+
+@contextmanager
+def _naming_a_missing_bucket(url: str) -> Iterator[None]:
+    """"No store here" or a failed write in a bucket that does not exist says so."""
+    try:
+        yield
+    except (ins.NotFoundError, FileNotFoundError, ins.StorageError) as exc:
+        # S3 and GCS say "The specified bucket does not exist" (NoSuchBucket); a write there
+        # is a FileNotFoundError, a read "no store here": ask the backend before saying so
+        cause = str(exc.__cause__ or exc).lower()
+        named = "bucket does not exist" in cause or "nosuchbucket" in cause
+        bucket = _missing_bucket(url) if named or not isinstance(exc, ins.StorageError) else None
+        if bucket is None:
+            raise
+        raise _no_bucket_error(url, bucket) from exc
+
+
+def _what_is_at(url: str) -> tuple[str, list[str]]:
+    """What a store URL names now: ``store`` (an inshrink.json is there), ``missing``
+    (nothing at all), ``empty`` (an empty folder), ``nonempty`` (other files: returned,
+    a few of them) or ``nobucket``."""
+    path = _local_path(url)
+    if path is not None:
+        if not path.exists() and not path.is_symlink():
+            return "missing", []
+        if not path.is_dir():
+            return "nonempty", [path.name]
+        if (path / CONFIG_FILE).exists() or (path / CONFIG_FILE).is_symlink():
+            return "store", []
+        entries = sorted(p.name for p in path.iterdir())
+        return ("nonempty" if entries else "empty"), entries
+    _session.url = url
+    try:  # fs.info and fs.ls, not fs.exists: that answers False for a closed endpoint too
+        fs, root = _remote_fs(url)
+        try:
+            fs.info(f"{root}/{CONFIG_FILE}")
+            return "store", []
+        except FileNotFoundError:
+            pass
+        try:
+            names = sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(root, detail=False))
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+    except InshrinkError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every backend raises its own types
+        raise ins.StorageError(
+            f"Expected to look at {url!r}. Got {type(exc).__name__}: {str(exc)[:300]} instead; "
+            "check the path, credentials, endpoint and network."
+        ) from exc
+    if names:
+        return "nonempty", names
+    return ("nobucket", []) if _missing_bucket(url) else ("missing", [])  # no empty folders in a bucket
+
+
+def _refuse_a_foreign_folder(url: str, state: str, entries: list[str]) -> None:
+    """A store is never created among someone else's files (or where a bucket is missing)."""
+    if state == "nobucket":
+        bucket = (_missing_bucket(url) or url.split("://", 1)[-1].split("/", 1)[0])
+        raise _no_bucket_error(url, bucket)
+    if state == "nonempty":
+        shown = ", ".join(repr(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise FormatError(
+            f"Expected a new path or an empty folder at {url!r} to create a store in. Got a folder "
+            f"that is not an inshrink store instead ({_n(len(entries), 'entry', 'entries')}: {shown}); "
+            "check the path, or pick a new one such as a subfolder."
+        )
 
 
 @app.command()
 def init(url: str) -> None:
-    """Create an empty store at URL."""
+    """Create an empty store at URL: a new path or an empty folder (or bucket prefix)."""
+    _session.url = url
     _require_room_for_store(url)
-    with _reading_config(url):
-        repo = ins.init(url)
+    state, entries = _what_is_at(url)
+    _refuse_a_foreign_folder(url, state, entries)
+    try:
+        with _reading_config(url), _naming_a_missing_bucket(url):
+            repo = ins.init(url, storage_options=_storage_options(url))
+    except ins.AlreadyExistsError:
+        raise ins.AlreadyExistsError(
+            f"Expected no store at {url!r} to create one. Got an existing inshrink store instead; "
+            f"look at it with `inshrink log {url}`, or pick a new path for a new store."
+        ) from None
     _say(out, "initialised inshrink store at ", repo.url)
+
+
+def _open_for_import(url: str, create: bool) -> ins.Repository:
+    """The store to import into: an existing one, or a new one where nothing exists yet
+    (or in an empty folder with --create), announced on stderr."""
+    _session.url = url
+    _require_room_for_store(url)
+    state, entries = _what_is_at(url)
+    if state == "store":
+        return _open(url)
+    _refuse_a_foreign_folder(url, state, entries)
+    if state == "empty" and not create:
+        raise ins.NotFoundError(
+            f"Expected an inshrink store at {url!r}. Got an empty folder instead; pass --create to "
+            f"make a new store there (or run `inshrink init {url}`), or check the path."
+        )
+    repo = _open(url, create=True)
+    _say(err, "created a new store at ", repo.url)
+    return repo
+
+
+def _check_quantize_options(bins: int | None, prune: float | None, protect: float | None,
+                            prune_metric: str | None, embedding_bins: int | None) -> Any:
+    """Usage errors (exit 2) for out-of-range or orphaned quantization options; the
+    QuantConfig to import with, or None for a lossless import."""
+    for name, value in (("--bins", bins), ("--embedding-bins", embedding_bins)):
+        if value is not None and not 2 <= value <= MAX_LEVELS:
+            raise typer.BadParameter(
+                f"Expected a whole number from 2 to {MAX_LEVELS} (usually 4 to 32). Got {value} "
+                f"instead; e.g. {name} 16.", param_hint=f"'{name}'")
+    for name, fraction in (("--prune", prune), ("--protect", protect)):
+        if fraction is not None and not 0.0 <= fraction <= 0.5:
+            raise typer.BadParameter(
+                f"Expected a fraction from 0 to 0.5. Got {fraction} instead; e.g. {name} 0.1 "
+                "(10% of the values).", param_hint=f"'{name}'")
+    if prune_metric is not None and prune_metric != "magnitude":
+        why = ("a checkpoint file holds no gradients to score sensitivity with; use magnitude "
+               "(sensitivity needs the Checkpointer in a training loop)"
+               if prune_metric == "sensitivity" else "use magnitude")
+        raise typer.BadParameter(f"Expected magnitude. Got {prune_metric!r} instead: {why}.",
+                                 param_hint="'--prune-metric'")
+    if bins is None:
+        given = [name for name, value in (("--prune", prune), ("--protect", protect),
+                                          ("--prune-metric", prune_metric),
+                                          ("--embedding-bins", embedding_bins)) if value is not None]
+        if given:
+            raise typer.BadParameter(
+                f"Expected --bins with {', '.join(given)} (they only apply when quantizing). Got no "
+                "--bins instead; add --bins N (e.g. --bins 16), or drop them for a lossless import.",
+                param_hint=f"'{given[0]}'")
+        return None
+    from inshrink_store.policy import QuantConfig
+
+    return QuantConfig(bins=bins, prune=0.0 if prune is None else prune, prune_metric="magnitude",
+                       protect=0.005 if protect is None else protect,
+                       embedding_bins=16 if embedding_bins is None else embedding_bins)
 
 
 @app.command("import")
@@ -166,29 +434,49 @@ def import_(
     message: Annotated[str, typer.Option("--message", "-m")] = "",
     step: Annotated[int | None, typer.Option("--step")] = None,
     branch: Annotated[str, typer.Option("--branch")] = "main",
-    bins: Annotated[int | None, typer.Option("--bins", help="Quantize float tensors to this many levels.")] = None,
-    prune: Annotated[float, typer.Option("--prune", help="Fraction pruned to 0 (with --bins).")] = 0.0,
-    prune_metric: Annotated[str, typer.Option("--prune-metric")] = "magnitude",
-    protect: Annotated[float, typer.Option("--protect", help="Fraction kept in bfloat16 (with --bins).")] = 0.005,
-    create: Annotated[bool, typer.Option("--create/--no-create", help="Create the store if missing.")] = True,
+    bins: Annotated[int | None, typer.Option(
+        "--bins", help=f"Quantize float tensors (2-D and up, under model/) to this many levels, 2..{MAX_LEVELS}; "
+        "without it the import is lossless.")] = None,
+    prune: Annotated[float | None, typer.Option(
+        "--prune", help="With --bins: fraction (0..0.5) of each tensor's smallest values set to 0. [default: 0]")] = None,
+    prune_metric: Annotated[str | None, typer.Option(
+        "--prune-metric", help="With --bins: what --prune ranks by; only magnitude for a file (it has no "
+        "gradients). [default: magnitude]")] = None,
+    protect: Annotated[float | None, typer.Option(
+        "--protect", help="With --bins: fraction (0..0.5) of the largest values kept in bfloat16. "
+        "[default: 0.005]")] = None,
+    embedding_bins: Annotated[int | None, typer.Option(
+        "--embedding-bins", help="With --bins: levels for embedding tables: 2-D weights whose module name "
+        "ends in embed/emb/embedding(s) (tok_embeddings, word_embeddings, pos_emb...), starts with embed_ "
+        "(embed_tokens, embed_positions), or is wte/wpe. [default: 16]")] = None,
+    create: Annotated[bool, _flag(
+        "--create", help="Create the store in an empty folder. A path where nothing exists yet is "
+        "always created (and said so on stderr); a folder of other files never is.")] = False,
 ) -> None:
-    """Import a checkpoint file as a new version; prints the snapshot id."""
+    """Import a checkpoint file as a new version; prints the snapshot id.
+
+    With --bins the version records its quantization settings (shown by `inshrink log`)."""
     from inshrink_store.torch import import_file
 
+    quantize = _check_quantize_options(bins, prune, protect, prune_metric, embedding_bins)
     if file.is_dir():
         raise FormatError(
             f"Expected a checkpoint file (.safetensors, .pt or .pth). Got the directory {str(file)!r} "
             "instead; name one file inside it."
         )
-    repo = _open(url, create=create)
-    quantize = None
-    if bins is not None:
-        from inshrink_store.policy import QuantConfig
-
-        quantize = QuantConfig(bins=bins, prune=prune, prune_metric=prune_metric, protect=protect)
+    if not file.is_file():
+        raise ins.NotFoundError(
+            f"Expected a checkpoint file at {str(file)!r}. Got no such file instead; check the path."
+        )
+    repo = _open_for_import(url, create)
+    commit: dict[str, Any] = {}
+    if quantize is not None:
+        # a fixed configuration, not a search: nothing was measured against a tolerance
+        record = QuantizationRecord(config=quantize, tolerance=0.0, higher_is_better=True)
+        commit["metadata"] = {"quantization": record.to_dict()}
     with progress_bar("import") as update:
         info = import_file(repo, file, message=message or file.name, step=step, branch=branch,
-                           quantize=quantize, progress=update)
+                           quantize=quantize, progress=update, **commit)
     _say(out, info.id)
 
 
@@ -263,11 +551,43 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
     out.print(table)
 
 
+def _find_tensor(reader: ins.SnapshotReader, name: str, url: str, ref: str) -> str:
+    """The tensor path NAME means: exact, under ``model/``, or the one path ending in
+    ``/NAME`` or ``.NAME``; otherwise a NotFoundError with close matches."""
+    paths = reader.names()
+    for candidate in (name, f"model/{name}"):
+        if candidate in paths:
+            return candidate
+    ending = [p for p in paths if p.endswith(f"/{name}") or p.endswith(f".{name}")]
+    if len(ending) == 1:
+        return ending[0]
+    if ending:
+        shown = ", ".join(repr(p) for p in ending[:4]) + (f" and {len(ending) - 4} more" if len(ending) > 4 else "")
+        raise ins.NotFoundError(
+            f"Expected {name!r} to name one tensor of snapshot {reader.id[:12]}. Got {len(ending)} "
+            f"tensors ending in it instead ({shown}); give more of the path."
+        )
+    close = difflib.get_close_matches(name, paths, n=3, cutoff=0.6)
+    if not close:  # compare with the last part of each path too: "wieght" -> "model/0.weight"
+        short = {p.rsplit("/", 1)[-1]: p for p in paths}
+        close = [short[s] for s in difflib.get_close_matches(name, list(short), n=3, cutoff=0.6)]
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
+            f"list the {_n(len(paths), 'tensor')} with `inshrink ls {url} {ref}`.")
+    raise ins.NotFoundError(
+        f"Expected a tensor named {name!r} in snapshot {reader.id[:12]}. Got no such tensor instead; {hint}"
+    )
+
+
 @app.command()
-def show(url: str, ref: str, tensor: str, as_json: JsonOpt = False) -> None:
+def show(
+    url: str, ref: str,
+    tensor: Annotated[str, typer.Argument(
+        help="Tensor path, or its end: `weight` finds the one tensor ending in /weight or .weight.")],
+    as_json: JsonOpt = False,
+) -> None:
     """Shape, dtype and summary statistics of one tensor (reads only that tensor)."""
     reader = _open(url).checkout(ref)
-    path = reader.resolve_name(tensor)
+    path = _find_tensor(reader, tensor, url, ref)
     info = reader.arrays()[path]
     values = reader.read_float(path)
     stats: dict[str, Any] = {"tensor": path, "snapshot": reader.id, "shape": list(info.shape),
@@ -291,14 +611,45 @@ def show(url: str, ref: str, tensor: str, as_json: JsonOpt = False) -> None:
         _say(out, (f"{key:>18}", "bold"), "  ", str(value))
 
 
+def _value_change(a: ins.SnapshotReader, b: ins.SnapshotReader | None, path: str) -> tuple[float, float]:
+    """(max |b - a|, ||b - a|| / ||a||) over finite values; ``b`` None: b holds the same
+    chunks as a (an unchanged tensor), so only a is read."""
+    va = a.read_float(path).astype(np.float64)
+    vb = va if b is None else b.read_float(path).astype(np.float64)
+    if va.size == 0:
+        return 0.0, 0.0
+    delta = vb - va
+    finite = np.isfinite(delta)
+    max_abs = float(np.max(np.abs(delta[finite]))) if finite.any() else math.nan
+    norm = float(np.linalg.norm(va[np.isfinite(va)]))
+    if norm > 0:
+        return max_abs, float(np.linalg.norm(delta[finite]) / norm)
+    return max_abs, 0.0 if max_abs == 0 else math.inf
+
+
+def _add_value_changes(repo: ins.Repository, report: ins.DiffReport) -> None:
+    """Fill max |Δ| and rel L2 Δ of every tensor both versions have in one shape, tensor by
+    tensor under a progress bar."""
+    a, b = repo.checkout(report.a), repo.checkout(report.b)
+    both = [t for t in report.tensors if t.status in ("changed", "unchanged") and t.shape_a == t.shape_b]
+    with progress_bar("diff") as update:
+        for i, change in enumerate(both):
+            change.max_abs_change, change.rel_l2_change = _value_change(
+                a, None if change.status == "unchanged" else b, change.path)
+            update(change.path, i + 1, len(both))
+
+
 @app.command()
 def diff(
     url: str, ref_a: str, ref_b: str,
-    values: Annotated[bool, typer.Option("--values", help="Also read both versions: max abs and relative L2 change.")] = False,
+    values: Annotated[bool, _flag("--values", help="Also read both versions: max abs and relative L2 change.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Tensors added, removed, changed and unchanged between two versions."""
-    report = _open(url).diff(ref_a, ref_b, values=values)
+    repo = _open(url)
+    report = repo.diff(ref_a, ref_b)
+    if values:
+        _add_value_changes(repo, report)
     if as_json:
         _json(report.to_dict())
         return
@@ -314,19 +665,56 @@ def diff(
     _say(out, " ".join(f"{k}: {v}" for k, v in counts.items()) + f"  new bytes: {_size(report.new_bytes)}")
 
 
+EXPORT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
+
+
+def _export_torch(reader: ins.SnapshotReader, output: Path, include_all: bool,
+                  progress: Callable[[str, int, int], None]) -> int:
+    """The tensors export_safetensors would write, as a torch.save'd dict of tensors (no
+    other objects: it loads with torch.load(weights_only=True)); temp file, then rename."""
+    import torch
+
+    from inshrink_store.torch import array_to_tensor
+
+    names, dtypes = reader.names(), reader.dtypes()
+    model = [p for p in names if p.startswith("model/")]
+    chosen = names if include_all or not model else model
+    tensors = {}
+    for i, p in enumerate(chosen):
+        key = p[len("model/"):] if (p.startswith("model/") and not include_all) else p
+        tensors[key] = array_to_tensor(reader.read(p), dtypes[p])
+        progress(p, i + 1, len(chosen))
+    fd, tmp = tempfile.mkstemp(prefix=output.name, suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    try:
+        torch.save(tensors, tmp)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return len(tensors)
+
+
 @app.command()
 def export(
-    url: str, ref: str, output: Annotated[Path, typer.Argument(metavar="OUT.safetensors")],
-    all_tensors: Annotated[bool, typer.Option("--all", help="Also export optimizer state (full paths).")] = False,
+    url: str, ref: str,
+    output: Annotated[Path, typer.Argument(
+        metavar="OUT", help="Output file; its extension picks the format: .safetensors, or .pt/.pth "
+        "(torch.save of a dict of tensors).")],
+    all_tensors: Annotated[bool, _flag("--all", help="Also export optimizer state (full paths).")] = False,
 ) -> None:
-    """Write a version's model tensors to a .safetensors file (bit-exact for lossless versions)."""
-    from inshrink_store.torch import export_safetensors
-
+    """Write a version's model tensors to a .safetensors, .pt or .pth file (bit-exact for
+    lossless versions)."""
     if output.is_dir():
         raise FormatError(
             f"Expected a file path to export to. Got the directory {str(output)!r} instead; name a "
             f"file, e.g. {str(output / 'model.safetensors')!r}."
         )
+    fmt = EXPORT_FORMATS.get(output.suffix.lower())
+    if fmt is None:
+        raise typer.BadParameter(
+            f"Expected a file name ending in .safetensors, .pt or .pth (it picks the format). Got "
+            f"{output.name!r} instead; e.g. {str(output.with_suffix('.safetensors'))!r}.", param_hint="'OUT'")
     parent = output.parent
     if not parent.is_dir():
         raise FormatError(
@@ -336,8 +724,13 @@ def export(
         )
     reader = _open(url).checkout(ref)
     with progress_bar("export") as update:
-        count = export_safetensors(reader, output, include_all=all_tensors, progress=update)
-    _say(out, f"wrote {count} tensors to ", str(output))
+        if fmt == "safetensors":
+            from inshrink_store.torch import export_safetensors
+
+            count = export_safetensors(reader, output, include_all=all_tensors, progress=update)
+        else:
+            count = _export_torch(reader, output, all_tensors, update)
+    _say(out, f"wrote {_n(count, 'tensor')} to ", str(output))
 
 
 def _check_name_mode(kind: str, name: str | None, ref: str | None, delete: bool) -> None:
@@ -347,6 +740,23 @@ def _check_name_mode(kind: str, name: str | None, ref: str | None, delete: bool)
     if delete and ref is not None:
         raise typer.BadParameter(f"Expected no REF with --delete. Got {ref!r} instead; "
                                  f"run `inshrink {kind} URL NAME --delete` alone.")
+
+
+def _list_tags(repo: ins.Repository, as_json: bool) -> None:
+    tags = repo.tags()
+    if as_json:
+        _json([{"name": n, "snapshot": sid} for n, sid in sorted(tags.items())])
+        return
+    table = Table("tag", "snapshot")
+    for n, sid in sorted(tags.items()):
+        _row(table, n, sid)
+    out.print(table)
+
+
+@app.command()
+def tags(url: str, as_json: JsonOpt = False) -> None:
+    """List the tags (the same as `inshrink tag URL`)."""
+    _list_tags(_open(url), as_json)
 
 
 @app.command()
@@ -361,14 +771,7 @@ def tag(
     _check_name_mode("tag", name, ref, delete)
     repo = _open(url)
     if name is None:
-        tags = repo.tags()
-        if as_json:
-            _json([{"name": n, "snapshot": sid} for n, sid in sorted(tags.items())])
-            return
-        table = Table("tag", "snapshot")
-        for n, sid in sorted(tags.items()):
-            _row(table, n, sid)
-        out.print(table)
+        _list_tags(repo, as_json)
         return
     if delete:
         sid = repo.delete_tag(name)
@@ -439,8 +842,8 @@ def verify(url: str, as_json: JsonOpt = False) -> None:
     if as_json:
         _json(report.to_dict())
     elif report.ok:
-        _say(out, f"ok: {report.snapshots} versions, {report.trees} trees, {report.objects} objects "
-                  f"({report.deltas} deltas) verified")
+        _say(out, f"ok: {_n(report.snapshots, 'version')}, {_n(report.trees, 'tree')}, "
+                  f"{_n(report.objects, 'object')} ({_n(report.deltas, 'delta')}) verified")
     else:
         for p in report.problems:
             users = ", ".join(f"{s[:12]}:{t}" for s, t in p.used_by[:10])
@@ -482,11 +885,19 @@ def gc(
     for d in dangling:
         _say(err, ("warning:", "yellow"), " ", d)
     if dangling:
-        _say(err, ("warning:", "yellow"), f" {len(dangling)} ref(s) point at missing snapshots; delete them "
+        points = "points at a missing snapshot; delete it" if len(dangling) == 1 else \
+            "point at missing snapshots; delete them"
+        _say(err, ("warning:", "yellow"), f" {_n(len(dangling), 'ref')} {points} "
              "with `inshrink tag URL NAME -d` or `inshrink branch URL NAME -d`")
     verb = "would delete" if dry_run else "deleted"
-    counts = ", ".join(f"{len(v)} {k}" for k, v in report.deleted.items())
-    _say(out, f"kept {report.kept_snapshots} versions; {verb} {counts}; {verb.split()[-1]} {_size(report.freed_bytes)}")
+    counts = ", ".join(_n(len(v), *_GC_NOUNS.get(k, (k, k))) for k, v in report.deleted.items())
+    freed = "would free" if dry_run else "freed"
+    _say(out, f"kept {_n(report.kept_snapshots, 'version')}; {verb} {counts}; {freed} {_size(report.freed_bytes)}")
+
+
+#: report.deleted's groups as (one, many)
+_GC_NOUNS = {"refs": ("ref", "refs"), "snapshots": ("snapshot", "snapshots"), "trees": ("tree", "trees"),
+             "objects": ("object", "objects"), "temp": ("temp file", "temp files"), "leases": ("lease", "leases")}
 
 
 @app.command()
@@ -558,7 +969,9 @@ def demo(
 
 def _error_line(exc: BaseException) -> str:
     """One line for an error the user can act on: "Expected X. Got Y instead." plus the fix."""
-    if isinstance(exc, InshrinkError):
+    if isinstance(exc, ins.StorageError):
+        line = str(exc) + _backend_hint(_session.url)
+    elif isinstance(exc, InshrinkError):
         line = str(exc)
     elif isinstance(exc, json.JSONDecodeError):
         line = (f"Expected valid JSON in the store. Got malformed JSON instead ({exc.msg} at line {exc.lineno}, "
@@ -600,6 +1013,9 @@ def main() -> None:
     """Entry point: errors the user can act on become one line on stderr and exit 1 (store
     errors, file system errors, unreadable JSON or text); usage errors exit 2. Anything else
     is a bug and keeps its traceback."""
+    # backends log their retries and tracebacks (gcsfs, botocore) before raising; with no
+    # handler configured Python prints them to stderr: the error line says it all
+    logging.getLogger().addHandler(logging.NullHandler())
     try:
         app(standalone_mode=True)
     except (InshrinkError, OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:

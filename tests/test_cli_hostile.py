@@ -164,7 +164,7 @@ def test_a_corrupt_config_is_one_clear_line_in_every_command(hostile: str, tmp_p
     (tmp_path / "store" / "inshrink.json").write_bytes(content)
     for args in (["log", hostile], ["ls", hostile], ["show", hostile, "main", TENSOR], ["du", hostile],
                  ["diff", hostile, "main~1", "main"], ["verify", hostile], ["gc", hostile, "--dry-run"],
-                 ["tag", hostile, "t"], ["branch", hostile], ["export", hostile, "main", str(tmp_path / "o.st")],
+                 ["tag", hostile, "t"], ["branch", hostile], ["export", hostile, "main", str(tmp_path / "o.safetensors")],
                  ["init", hostile]):
         code, _, stderr = run_main(monkeypatch, capsys, *args)
         assert code == 1, (args, stderr)

@@ -1,11 +1,18 @@
 """The PyTorch boundary: the only package of inshrink-store that imports torch.
 
 ``save_state`` / ``load_state`` move nested state dicts in and out of a repository
-bit-exact; ``Checkpointer`` runs dynamic quantization from a training loop.
+bit-exact; ``Checkpointer`` runs dynamic quantization from a training loop, keeps what
+:class:`Retention` says, and carries ``extra`` state (schedulers, :class:`RNGState`, epoch).
 """
 
 from inshrink_store.policy import SearchPolicy
-from inshrink_store.torch.checkpointer import DEFAULT_CONFIG, BackgroundSaveError, Checkpointer
+from inshrink_store.torch.checkpointer import (
+    DEFAULT_CONFIG,
+    BackgroundSaveError,
+    Checkpointer,
+    Retention,
+    RNGState,
+)
 from inshrink_store.torch.tensors import (
     TORCH_DTYPES,
     array_to_tensor,
@@ -21,7 +28,8 @@ from inshrink_store.torch.tensors import (
 )
 
 __all__ = [
-    "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "SearchPolicy", "array_to_tensor",
+    "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "RNGState", "Retention", "SearchPolicy",
+    "array_to_tensor",
     "arrays_to_state", "export_safetensors", "import_file", "load_checkpoint_file", "load_state",
     "save_safetensors", "save_state", "state_to_arrays", "tensor_to_array",
 ]

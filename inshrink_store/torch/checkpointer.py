@@ -7,23 +7,40 @@ only over the last ``ema_batches`` batches before a checkpoint is due, so sensit
 waits for), then a background thread searches the configuration, encodes and commits.
 A background failure is raised by the next call. :meth:`restore` loads a version and
 makes the next save delta-code against it, so the chain survives a failure.
+
+``extra_state`` objects (an LR scheduler, :class:`RNGState`, a sampler) and the ``extra``
+of each save travel in the same version under ``extra/``: tensors and JSON scalars, no
+pickle. A :class:`Retention` tags the versions kept for good (``keep-<step>``) and, after
+each commit, runs ``repo.gc(keep_last=max_to_keep)`` on a background thread; a gc that a
+commit in progress refuses is only logged and runs again after the next save.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import random
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from typing_extensions import Unpack
 
-from inshrink_store.errors import BackgroundSaveError, FormatError, LeaseBrokenError
+from inshrink_store.errors import (
+    AlreadyExistsError,
+    BackgroundSaveError,
+    ConflictError,
+    FormatError,
+    InshrinkError,
+    InvalidInputError,
+    LeaseBrokenError,
+    NotFoundError,
+)
 from inshrink_store.policy import (
     DEFAULT_CONFIG,
     Candidates,
@@ -33,7 +50,8 @@ from inshrink_store.policy import (
     SearchPolicy,
 )
 from inshrink_store.policy.search import SearchResult, SearchSpace
-from inshrink_store.policy.search_policy import PolicyArgs
+from inshrink_store.policy.search_policy import Decision, PolicyArgs
+from inshrink_store.structure import flatten
 from inshrink_store.torch.tensors import (
     STRUCTURE_ATTR,
     array_to_tensor,
@@ -45,7 +63,7 @@ from inshrink_store.writer import previous_codecs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CONFIG", "BackgroundSaveError", "Checkpointer"]
+__all__ = ["DEFAULT_CONFIG", "BackgroundSaveError", "Checkpointer", "RNGState", "Retention"]
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -56,6 +74,108 @@ def _cpu_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which versions of the Checkpointer's branch outlive the next gc.
+
+    ``max_to_keep``: the newest versions kept (``repo.gc(keep_last=max_to_keep)`` after
+    every commit). ``keep_every_n_steps``: a version whose step is a multiple of it is
+    also tagged ``keep-<step>`` (``keep-<branch>-<step>`` off ``main``) and so kept for
+    good. Tags are refs: every tag, yours included, keeps its version whatever this says.
+    The gc is the store's: ``keep_last`` applies to every branch of the store.
+    """
+
+    max_to_keep: int
+    keep_every_n_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.max_to_keep):
+            raise InvalidInputError(
+                f"Expected max_to_keep to be an int >= 1 (the newest versions kept). Got "
+                f"{self.max_to_keep!r} instead; e.g. Retention(max_to_keep=3).")
+        if self.keep_every_n_steps is not None and not _positive_int(self.keep_every_n_steps):
+            raise InvalidInputError(
+                f"Expected keep_every_n_steps to be an int >= 1 or None. Got {self.keep_every_n_steps!r} "
+                "instead; e.g. Retention(max_to_keep=3, keep_every_n_steps=1000).")
+
+    def tag_for(self, step: int | None, branch: str = "main") -> str | None:
+        """The tag that keeps the version of ``step`` for good, or None if none does."""
+        n = self.keep_every_n_steps
+        if n is None or step is None or step % n:
+            return None
+        return f"keep-{step}" if branch == "main" else f"keep-{branch}-{step}"
+
+
+class RNGState:
+    """The process's random number generators as one ``extra_state`` entry.
+
+    ``state_dict()`` holds Python's ``random`` state, NumPy's global generator (the
+    ``np.random.*`` functions), torch's CPU generator and, when CUDA is initialised, every
+    CUDA device's: tensors, ints and floats only, so it is stored without pickle.
+    ``load_state_dict`` puts them all back. A ``numpy.random.Generator`` of your own goes in
+    ``extra=`` as ``rng.bit_generator.state`` (a dict of ints and strings)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        legacy = np.random.get_state(legacy=False)
+        assert isinstance(legacy, dict)
+        state: dict[str, Any] = {
+            "python": {"version": int(version), "internal": [int(v) for v in internal], "gauss": gauss},
+            "numpy": {"bit_generator": str(legacy["bit_generator"]),
+                      "key": torch.from_numpy(np.asarray(legacy["state"]["key"], dtype=np.int64)),
+                      "pos": int(legacy["state"]["pos"]), "has_gauss": int(legacy["has_gauss"]),
+                      "gauss": float(legacy["gauss"])},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = list(torch.cuda.get_rng_state_all())
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = [k for k in ("python", "numpy", "torch") if k not in state]
+        if missing:
+            raise FormatError(
+                f"Expected an RNGState state dict with 'python', 'numpy' and 'torch'. Got keys "
+                f"{sorted(state)} instead; it was not written by RNGState.state_dict().")
+        py, npy = state["python"], state["numpy"]
+        random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+        np.random.set_state({"bit_generator": npy["bit_generator"],
+                             "state": {"key": npy["key"].numpy().astype(np.uint32), "pos": npy["pos"]},
+                             "has_gauss": npy["has_gauss"], "gauss": npy["gauss"]})
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _stateful(name: Any, obj: Any) -> None:
+    """An ``extra_state`` entry must be able to give its state and take it back."""
+    if not isinstance(name, str):
+        raise InvalidInputError(
+            f"Expected extra_state names to be str. Got {type(name).__name__} {name!r} instead; "
+            "e.g. extra_state={'scheduler': scheduler}.")
+    pairs = (("state_dict", "load_state_dict"), ("get_state", "set_state"))
+    if not any(callable(getattr(obj, a, None)) and callable(getattr(obj, b, None)) for a, b in pairs):
+        raise InvalidInputError(
+            f"Expected extra_state[{name!r}] to have state_dict()/load_state_dict() (a scheduler, "
+            f"RNGState()) or get_state()/set_state() (a torch.Generator). Got {type(obj).__name__} "
+            "instead; pass plain values with save(step, extra={...}) and read them back from ck.extra.")
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj.get_state()
+
+
+def _load_into(obj: Any, state: Any) -> None:
+    if callable(getattr(obj, "load_state_dict", None)):
+        obj.load_state_dict(state)
+    else:
+        obj.set_state(state)
 
 
 @dataclass(frozen=True)
@@ -103,15 +223,25 @@ class Checkpointer:
 
     ``policy`` (a :class:`~inshrink_store.policy.SearchPolicy`) decides what each checkpoint
     stores; the 0.1 keywords ``tolerance``, ``higher_is_better``, ``space`` and
-    ``optimizer_policy`` still work and build it. ``every``: the save interval in steps, so
+    ``optimizer_policy`` still work and build it. Without ``eval_fn`` the model weights are
+    stored quantized with the policy's ``base`` (``DEFAULT_CONFIG``: 16 levels, no pruning,
+    0.5% protected) and the optimizer lossless; ``lossless=True`` stores every tensor
+    bit-exact instead (no search, no warning). ``every``: the save interval in steps, so
     the gradient EMA runs only over the last ``ema_batches`` batches before each save.
     ``gc_wait``: how long a save waits for a running gc (logged) before it fails; a commit
     that a gc fenced off (it judged this process dead) is retried at once, state in hand.
+
+    ``retention`` (or ``max_to_keep`` / ``keep_every_n_steps``): see :class:`Retention`.
+    ``extra_state``: name -> object with ``state_dict``/``load_state_dict`` (a scheduler,
+    :class:`RNGState`) or ``get_state``/``set_state`` (a ``torch.Generator``), saved with
+    every version and put back by :meth:`restore`.
     """
 
     def __init__(self, repo: Any, model: Any, optimizer: Any = None, eval_fn: Callable[[Any], float] | None = None,
                  every: int | None = None, *, policy: SearchPolicy | None = None, ema_batches: int = 50,
                  branch: str = "main", background: bool = True, gc_wait: float = 600.0,
+                 lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
+                 keep_every_n_steps: int | None = None, extra_state: Mapping[str, Any] | None = None,
                  **legacy: Unpack[PolicyArgs]) -> None:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise FormatError(
@@ -123,9 +253,25 @@ class Checkpointer:
                 f"Expected either policy= or the keywords {sorted(legacy)}. Got both instead; "
                 "set those fields on the SearchPolicy."
             )
+        if not isinstance(lossless, bool):
+            raise InvalidInputError(f"Expected lossless to be True or False. Got {lossless!r} instead.")
+        if lossless and (policy is not None or legacy or eval_fn is not None):
+            given = [name for name, on in (("eval_fn", eval_fn is not None), ("policy", policy is not None))
+                     if on] + sorted(legacy)
+            raise InvalidInputError(
+                f"Expected lossless=True alone: it stores every tensor bit-exact, with no search. Got "
+                f"{', '.join(given)} as well instead; drop lossless=True to quantize, or drop {given[0]}."
+            )
+        self.retention = _retention(retention, max_to_keep, keep_every_n_steps)
+        self.extra_state: dict[str, Any] = dict(extra_state or {})
+        for name, obj in self.extra_state.items():
+            _stateful(name, obj)
         self.policy = policy if policy is not None else SearchPolicy.from_args(**legacy)
         self.repo, self.model, self.optimizer, self.eval_fn = repo, model, optimizer, eval_fn
         self.every, self.ema_batches, self.branch, self.gc_wait = every, ema_batches, branch, gc_wait
+        self.lossless = lossless
+        #: the ``extra`` state of the version :meth:`restore` loaded ({} before a restore)
+        self.extra: dict[str, Any] = {}
         self._ema: dict[str, Any] = {}
         self._batches = 0
         self._parent: str | None = None
@@ -133,15 +279,19 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
         self._pending: Future[Any] | None = None
         self._lock = threading.Lock()
+        self._closed = False
+        # retention: tags not yet created (gc waits for them) and the gc thread's state
+        self._untagged: list[tuple[str, str]] = []
+        self._gc_pool = (ThreadPoolExecutor(1, thread_name_prefix="inshrink-gc")
+                         if background and self.retention is not None else None)
+        self._gc_due = self._gc_running = False
+        self._gc_idle = threading.Event()
+        self._gc_idle.set()
+        self.last_gc: Any = None  # the GcReport of the last retention gc that ran
         self.last_search: SearchResult | None = None
         self.timings: list[dict[str, float]] = []
-        if eval_fn is None:
-            base = self.policy.base
-            warnings.warn(
-                "Checkpointer has no eval_fn: every checkpoint uses the conservative default "
-                f"{base.bins} levels, no pruning, {base.protect:.1%} protected. "
-                "Pass eval_fn to let the search pick the most aggressive safe configuration.",
-                stacklevel=2)
+        if eval_fn is None and not lossless:
+            warnings.warn(_lossy_warning(self.policy), stacklevel=2)
 
     # the 0.1 attributes, read from the policy
     @property
@@ -160,11 +310,16 @@ class Checkpointer:
     def optimizer_policy(self) -> Any:
         return self.policy.optimizer
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the ``with`` block ended): no more saves."""
+        return self._closed
+
     # -- in the loop -----------------------------------------------------------------------
     def observe_gradients(self) -> None:
         """Fold the current gradients into the sensitivity EMA (call after backward())."""
         self._batches += 1
-        if self.every and (self._batches % self.every) < self.every - self.ema_batches:
+        if self.lossless or (self.every and (self._batches % self.every) < self.every - self.ema_batches):
             return
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -174,15 +329,24 @@ class Checkpointer:
                 prev = self._ema.get(name)
                 self._ema[name] = g if prev is None else g.mul_(0.9).add_(prev, alpha=0.1)
 
-    def save(self, step: int, metrics: dict[str, float] | None = None, message: str | None = None) -> Any:
-        """Checkpoint now. Returns the SnapshotInfo (foreground) or a Future of it (background)."""
+    def save(self, step: int, metrics: dict[str, float] | None = None, message: str | None = None, *,
+             extra: Mapping[str, Any] | None = None) -> Any:
+        """Checkpoint now. Returns the SnapshotInfo (foreground) or a Future of it (background).
+
+        ``extra``: nested state of this version (epoch, data-loader position, RNG states):
+        dicts, lists and tuples of tensors, str, int, float, bool and None. :meth:`restore`
+        puts it in :attr:`extra`, next to the state of every ``extra_state`` object."""
+        self._check_open("save")
         self._raise_failure()
         self.wait()
         start = time.perf_counter()
+        extras = self._extra_now(extra)
         model_state = _cpu_copy(self.model.state_dict())
         state = {"model": model_state}
         if self.optimizer is not None:
             state["optimizer"] = _cpu_copy(self.optimizer.state_dict())
+        if extras:
+            state["extra"] = _cpu_copy(extras)
         sensitivity = {f"model/{n}": (self._ema[n] * model_state[n].float()).abs().numpy()
                        for n in self._ema if n in model_state}
         # cleared here, in the loop's thread: the next window starts now, whatever the background does
@@ -196,6 +360,26 @@ class Checkpointer:
             return self._save(job)
         self._pending = self._pool.submit(self._save, job)
         return self._pending
+
+    def _extra_now(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The ``extra`` subtree of this save, checked in the loop's thread (no pickle)."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise InvalidInputError(
+                f"Expected extra to be a dict of state (e.g. {{'epoch': 3}}). Got {type(extra).__name__} "
+                "instead; wrap it: extra={'name': value}.")
+        given = dict(extra or {})
+        clash = sorted(set(given) & set(self.extra_state))
+        if clash:
+            raise InvalidInputError(
+                f"Expected the names in extra= to differ from extra_state's. Got {clash} in both instead; "
+                "rename one of them.")
+        extras = {name: _state_of(obj) for name, obj in self.extra_state.items()}
+        extras.update(given)
+        try:
+            flatten(extras, lambda x: isinstance(x, torch.Tensor), prefix="extra")
+        except FormatError as exc:
+            raise InvalidInputError(str(exc)) from None
+        return extras
 
     def wait(self) -> Any:
         """Block until the background save (if any) is committed; re-raise its failure."""
@@ -211,15 +395,35 @@ class Checkpointer:
         if self._pending is not None and self._pending.done() and self._pending.exception() is not None:
             self.wait()
 
+    def _check_open(self, doing: str) -> None:
+        if self._closed:
+            raise InvalidInputError(
+                f"Expected an open Checkpointer to {doing}. Got one that close() (or the end of its "
+                "with-block) already closed instead; create a new Checkpointer(repo, model, optimizer, "
+                "...) and call restore() on it to continue from the last version.")
+
     def restore(self, ref: str = "main") -> int | None:
-        """Load model and optimizer state of ``ref``; returns its step. Saves continue from it."""
+        """Load model, optimizer and ``extra_state`` of ``ref``; returns its step. The
+        version's ``extra`` is in :attr:`extra` afterwards. Saves continue from it."""
+        self._check_open("restore")
         self.wait()
+        self._gc_idle.wait()  # a retention gc in flight must not race this read
         snapshot_id = self.repo.resolve(ref)
         state = load_state(self.repo, snapshot_id)
+        info = self.repo.snapshot(snapshot_id)
+        extras = state.get("extra", {})
+        missing = sorted(set(self.extra_state) - set(extras))
+        if missing:
+            raise NotFoundError(
+                f"Expected extra state {missing} in version {snapshot_id[:12]} (step {info.step}). Got only "
+                f"{sorted(extras)} instead; that version was saved without it: restore a later version, or "
+                "leave those names out of extra_state for this restore.")
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
-        info = self.repo.snapshot(snapshot_id)
+        for name, obj in self.extra_state.items():
+            _load_into(obj, extras[name])
+        self.extra = dict(extras)
         self._parent = snapshot_id
         recorded = info.metadata.get("quantization")
         self._previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
@@ -230,12 +434,16 @@ class Checkpointer:
     def _save(self, job: _Job) -> Any:
         t0 = time.perf_counter()
         arrays, dtypes, skeleton = state_to_arrays(job.state)
-        candidates = Candidates(arrays, dtypes, self._previous_codecs(), sensitivity=job.sensitivity,
-                                module_kinds=job.kinds, keep=self.policy.keep)
-        evaluate = None
-        if self.eval_fn is not None and job.eval_model is not None:
-            evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
-        decision = self.policy.decide(candidates, evaluate, previous=self._previous)
+        if self.lossless:
+            decision = Decision(None, QuantizationRecord(config=None, tolerance=self.policy.tolerance,
+                                                         higher_is_better=self.policy.higher_is_better))
+        else:
+            candidates = Candidates(arrays, dtypes, self._previous_codecs(), sensitivity=job.sensitivity,
+                                    module_kinds=job.kinds, keep=self.policy.keep)
+            evaluate = None
+            if self.eval_fn is not None and job.eval_model is not None:
+                evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
+            decision = self.policy.decide(candidates, evaluate, previous=self._previous)
         t_search = time.perf_counter() - t0
         info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=decision.plans,
                             branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
@@ -244,6 +452,8 @@ class Checkpointer:
         self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
         self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
                              "total_s": time.perf_counter() - t0 + job.copy_s})
+        if self.retention is not None:
+            self._retain(info)
         return info
 
     def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> Any:
@@ -271,13 +481,126 @@ class Checkpointer:
             return {}
         return previous_codecs(self.repo.checkout(parent).view)
 
+    # -- retention -------------------------------------------------------------------------
+    def _retain(self, info: Any) -> None:
+        """After a commit: tag it if it is kept for good, then ask for a gc. The commit has
+        happened, so nothing here raises: what fails is logged and tried after the next save."""
+        assert self.retention is not None
+        name = self.retention.tag_for(info.step, self.branch)
+        if name is not None:
+            self._untagged.append((name, info.id))
+        self._untagged = [(n, sid) for n, sid in self._untagged if not self._tag(n, sid)]
+        if self._untagged:  # a gc now could collect a version a missing tag must keep
+            log.info("retention: gc put off until %s exist", ", ".join(n for n, _ in self._untagged))
+            return
+        self._request_gc()
+
+    def _tag(self, name: str, snapshot_id: str) -> bool:
+        try:
+            try:
+                self.repo.tag(name, snapshot_id, gc_wait=self.gc_wait)
+            except AlreadyExistsError:
+                held = self.repo.tags().get(name)
+                if held == snapshot_id:
+                    return True
+                # the run was restored to an earlier version and saved this step again
+                log.info("retention: moving tag %s from %s to %s", name, str(held)[:12], snapshot_id[:12])
+                self.repo.delete_tag(name)
+                self.repo.tag(name, snapshot_id, gc_wait=self.gc_wait)
+            log.info("retention: tagged %s -> %s (kept for good)", name, snapshot_id[:12])
+            return True
+        except (InshrinkError, OSError) as exc:
+            log.warning("retention: could not tag %s -> %s (%s); trying again after the next save",
+                        name, snapshot_id[:12], exc)
+            return False
+
+    def _request_gc(self) -> None:
+        with self._lock:
+            self._gc_due = True
+            if self._gc_running:
+                return  # the running loop sees _gc_due and runs once more
+            self._gc_running = True
+            self._gc_idle.clear()
+        if self._gc_pool is None:
+            self._gc_loop()
+        else:
+            self._gc_pool.submit(self._gc_loop)
+
+    def _gc_loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._gc_due:
+                    self._gc_running = False
+                    self._gc_idle.set()
+                    return
+                self._gc_due = False
+            self._collect()
+
+    def _collect(self) -> None:
+        """One ``repo.gc(keep_last=max_to_keep)``; never raises into the training loop."""
+        assert self.retention is not None
+        keep = self.retention.max_to_keep
+        try:
+            report = self.repo.gc(keep_last=keep)
+        except ConflictError as exc:
+            log.info("retention: gc(keep_last=%d) put off to the next save: %s", keep, exc)
+            return
+        except Exception as exc:  # a storage error must not stop training; the next save retries
+            log.warning("retention: gc(keep_last=%d) failed (%r); trying again after the next save", keep, exc)
+            return
+        self.last_gc = report
+        log.info("retention: gc(keep_last=%d) kept %d versions, deleted %d snapshots, freed %d bytes",
+                 keep, report.kept_snapshots, len(report.deleted.get("snapshots", [])), report.freed_bytes)
+
     def close(self) -> None:
-        self.wait()
-        if self._pool is not None:
-            self._pool.shutdown()
+        """Wait for the last save and retention gc, then stop the threads. Idempotent; a
+        save or restore afterwards is an InvalidInputError."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+            if self._gc_pool is not None:
+                self._gc_pool.shutdown()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _retention(retention: Retention | None, max_to_keep: int | None,
+               keep_every_n_steps: int | None) -> Retention | None:
+    if retention is not None:
+        if max_to_keep is not None or keep_every_n_steps is not None:
+            raise InvalidInputError(
+                "Expected either retention=Retention(...) or max_to_keep=/keep_every_n_steps=. Got both "
+                "instead; set those fields on the Retention.")
+        if not isinstance(retention, Retention):
+            raise InvalidInputError(
+                f"Expected retention to be a Retention. Got {type(retention).__name__} instead; e.g. "
+                "retention=Retention(max_to_keep=3, keep_every_n_steps=1000).")
+        return retention
+    if max_to_keep is None:
+        if keep_every_n_steps is not None:
+            raise InvalidInputError(
+                f"Expected max_to_keep with keep_every_n_steps={keep_every_n_steps!r}. Got none instead; "
+                "without it nothing is ever collected: pass max_to_keep=N as well.")
+        return None
+    return Retention(max_to_keep, keep_every_n_steps)
+
+
+def _lossy_warning(policy: SearchPolicy) -> str:
+    base = policy.base
+    pruning = "no pruning" if base.prune == 0 else f"{base.prune:.0%} pruned by {base.prune_metric}"
+    optimizer = ("optimizer state lossless" if policy.optimizer is None
+                 else "optimizer state quantized by the policy's optimizer planner")
+    return ("Checkpointer has no eval_fn: model weights are stored lossy, quantized with the policy's "
+            f"base configuration ({base.bins} levels, {pruning}, {base.protect:.1%} protected; unchecked "
+            f"for your model); {optimizer}; step counters and scalars exact. Pass eval_fn= to let the "
+            "search pick the most aggressive configuration within tolerance, or lossless=True to store "
+            "every tensor bit-exact.")

@@ -4,6 +4,9 @@ Trains an MLP on scikit-learn's bundled handwritten digits on the CPU, checkpoin
 ``every`` steps into a local store with the dynamic search, simulates a failure,
 resumes from the last compressed checkpoint, and reports per-version configuration,
 stored bytes, ratio and quality, then the final quality against an uncompressed run.
+Per version, ``accuracy`` is the stored checkpoint's (the version restored into a fresh
+model) and ``live_accuracy`` the training model's at the moment it was saved (the
+``live_accuracy`` metric of the version).
 
 A fresh demo only ever replaces an earlier demo store: the demo writes ``demo.json`` (its
 marker) beside the store's ``inshrink.json``, and a path is cleared only when it holds
@@ -50,6 +53,9 @@ def make_model(hidden: int = 512) -> Any:
 
 @dataclass
 class DemoResult:
+    """``rows``: one per version, oldest first; ``accuracy`` there is the restored
+    checkpoint's, ``live_accuracy`` the live model's when it was saved."""
+
     rows: list[dict[str, Any]]
     final_accuracy: float
     reference_accuracy: float
@@ -67,6 +73,12 @@ class DemoResult:
 def _accuracy(model: Any, x: Any, y: Any) -> float:
     with torch.no_grad():
         return float((model(x).argmax(1) == y).float().mean())
+
+
+def _restored_accuracy(model: Any, repo: Any, ref: str, x: Any, y: Any) -> float:
+    """The accuracy of version ``ref`` as stored: its weights loaded into ``model``."""
+    model.load_state_dict(load_state(repo, ref, prefix="model"))
+    return _accuracy(model, x, y)
 
 
 def train(steps: int, every: int | None, repo: Any, fail_at: int | None, tolerance: float,
@@ -95,7 +107,7 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
         stats["train_s"] += time.perf_counter() - t
         if ck is not None and every and step % every == 0:
             t = time.perf_counter()
-            ck.save(step, metrics={"accuracy": _accuracy(model, xte, yte)})
+            ck.save(step, metrics={"live_accuracy": _accuracy(model, xte, yte)})
             stats["wait_s"] += time.perf_counter() - t
         if ck is not None and fail_at is not None and step == fail_at:
             ck.wait()
@@ -181,6 +193,8 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
     rows = []
     usage = {r.snapshot: r for r in repo.du()}
     weights = {r.snapshot: r for r in repo.du(prefix="model/")}
+    _, _, xte, yte = load_digits_split()
+    restored = make_model()
     for info in reversed(repo.log()):
         q = QuantizationRecord.from_dict(info.metadata["quantization"])  # every demo version has one
         u, w = usage[info.id], weights[info.id]
@@ -191,10 +205,9 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
                      "stored_bytes": u.new_stored_bytes, "logical_bytes": u.logical_bytes,
                      "ratio": u.ratio, "deltas": u.delta_objects,
                      "model_stored_bytes": w.new_stored_bytes, "model_ratio": w.ratio,
-                     "accuracy": info.metrics.get("accuracy"), "baseline": q.baseline_quality})
-    restored = make_model()
-    restored.load_state_dict(load_state(repo, "main")["model"])
-    _, _, xte, yte = load_digits_split()
+                     "accuracy": _restored_accuracy(restored, repo, info.id, xte, yte),
+                     "live_accuracy": info.metrics.get("live_accuracy"), "baseline": q.baseline_quality})
+    restored.load_state_dict(load_state(repo, "main", prefix="model"))
     last, last_weights = repo.du()[-1], repo.du(prefix="model/")[-1]
     return DemoResult(rows, stats["accuracy"], reference["accuracy"], _accuracy(restored, xte, yte), last.cumulative_logical_bytes,
                       last.cumulative_stored_bytes, last_weights.cumulative_logical_bytes,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store import dtypes
-from inshrink_store.errors import FormatError, require
+from inshrink_store.errors import FormatError, InvalidInputError, NotFoundError, require
 from inshrink_store.structure import flatten, unflatten
 
 torch = require("torch", "torch")
@@ -98,26 +98,152 @@ def arrays_to_state(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
     return unflatten(skeleton, tensors)
 
 
+#: A state dict without its modules (a file, ``save_state``) does not say which 2-D weights
+#: are embedding tables, so it is read from the module name, the part before ``.weight``:
+#: one of these names, or a name that is or ends in ``_`` + one of the endings.
+EMBEDDING_MODULES = ("wte", "wpe", "embed_tokens", "embed_positions", "embed_in")
+EMBEDDING_ENDINGS = ("embed", "embeds", "embedding", "embeddings", "emb")
+
+
+def infer_module_kinds(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """Path -> ``"Embedding"`` for each 2-D ``weight`` whose module is named like an embedding
+    table (``embed.weight``, ``tok_embeddings.weight``, ``transformer.wte.weight``,
+    ``embed_tokens.weight``...; see :data:`EMBEDDING_MODULES` and :data:`EMBEDDING_ENDINGS`),
+    so a quantizer gives it ``embedding_bins``; every other tensor keeps the layer type its
+    shape implies. The Checkpointer knows the real module classes and does not need this."""
+    kinds = {}
+    for path, array in arrays.items():
+        module, dot, leaf = path.replace("/", ".").rpartition(".")
+        if array.ndim != 2 or leaf != "weight" or not dot:
+            continue
+        name = module.rpartition(".")[2].lower()
+        if name in EMBEDDING_MODULES or any(name == e or name.endswith("_" + e) for e in EMBEDDING_ENDINGS):
+            kinds[path] = "Embedding"
+    return kinds
+
+
 def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, **commit: Any) -> Any:
-    """Commit a nested training state (e.g. ``{"model": sd, "optimizer": osd}``) as one version."""
+    """Commit a nested training state (e.g. ``{"model": sd, "optimizer": osd}``) as one version.
+
+    A ``QuantConfig`` applies ``embedding_bins`` to the tensors :func:`infer_module_kinds`
+    names embedding tables (there are no module objects to ask)."""
+    from inshrink_store.policy import QuantConfig, StatePlanner
+
     if not isinstance(state, Mapping):
         raise FormatError(f"Expected a dict of state (e.g. {{'model': ...}}). Got {type(state).__name__}.")
     arrays, dtypes, skeleton = state_to_arrays(dict(state))
+    if isinstance(quantize, QuantConfig):
+        quantize = StatePlanner(quantize, module_kinds=infer_module_kinds(arrays))
     return repo.save(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=quantize, **commit)
 
 
-def load_state(repo: Any, ref: str = "main") -> Any:
-    """The nested state of a version, as torch tensors in the saved structure and dtypes."""
-    return reader_state(repo.checkout(ref))
+def load_state(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None) -> Any:
+    """The nested state of a version, as torch tensors in the saved structure and dtypes.
+
+    ``prefix`` (e.g. ``"model"`` or ``"optimizer/state"``) gives only that part of the state,
+    reading only the tensors under it. ``map_location`` (like ``torch.load``'s: a device
+    string or ``torch.device``) moves every tensor there; tied tensors stay one tensor."""
+    return reader_state(repo.checkout(ref), map_location=map_location, prefix=prefix)
 
 
-def reader_state(reader: Any) -> Any:
+def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = None) -> Any:
+    device = _device(map_location)
     dtypes = reader.dtypes()
-    arrays = reader.load()
     skeleton = reader.attributes.get(STRUCTURE_ATTR)
+    parts = _prefix_parts(prefix)
     if skeleton is None:  # written by plain repo.save: a flat dict by path
-        return {p: array_to_tensor(a, dtypes[p]) for p, a in arrays.items()}
-    return arrays_to_state(arrays, dtypes, skeleton)
+        return _flat_state(reader, dtypes, parts, device)
+    node = _subtree(skeleton, parts, reader.id)
+    paths = sorted(_leaf_paths(node))
+    tensors = {p: array_to_tensor(reader.read(p), dtypes[p]) for p in paths}
+    if device is not None:  # before unflatten: a tied tensor is moved once and stays tied
+        tensors = {p: t.to(device) for p, t in tensors.items()}
+    return unflatten(node, tensors)
+
+
+def _device(map_location: Any) -> Any:
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            return torch.device(map_location)
+        except (RuntimeError, ValueError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InvalidInputError(
+                f"Expected map_location to be a device such as 'cpu', 'cuda:0' or torch.device('cuda'). "
+                f"Got {map_location!r} instead ({reason}).") from None
+    raise InvalidInputError(
+        f"Expected map_location to be a device string or a torch.device. Got {type(map_location).__name__} "
+        "instead; e.g. map_location='cpu'.")
+
+
+def _prefix_parts(prefix: str | None) -> list[str]:
+    if prefix is None:
+        return []
+    if not isinstance(prefix, str):
+        raise InvalidInputError(
+            f"Expected prefix to be a path in the saved state such as 'model' or 'optimizer/state'. Got "
+            f"{type(prefix).__name__} {prefix!r} instead.")
+    return [p for p in prefix.strip("/").split("/") if p]
+
+
+def _subtree(skeleton: Any, parts: list[str], snapshot: str) -> Any:
+    """The skeleton node at ``parts`` (each a dict key or a list index as text)."""
+    node = skeleton
+    for depth, part in enumerate(parts):
+        children: dict[str, Any] = {}
+        if isinstance(node, dict) and "__dict__" in node:
+            children = {str(k): v for k, v in node["__dict__"]}
+        elif isinstance(node, dict) and ("__list__" in node or "__tuple__" in node):
+            items = node["__list__"] if "__list__" in node else node["__tuple__"]
+            children = {str(i): v for i, v in enumerate(items)}
+        if part not in children:
+            where = "/".join(parts[:depth]) or "the top level"
+            choices = sorted(children)[:20]
+            raise NotFoundError(
+                f"Expected {'/'.join(parts)!r} in the saved state of snapshot {snapshot[:12]}. Got no "
+                f"{part!r} under {where} instead; choose one of {choices} (or prefix=None for everything).")
+        node = children[part]
+    return node
+
+
+def _leaf_paths(node: Any) -> set[str]:
+    """Every stored array a skeleton node needs (an alias may point outside the node)."""
+    found: set[str] = set()
+
+    def walk(n: Any) -> None:
+        if isinstance(n, dict):
+            if "__array__" in n:
+                found.add(n["__array__"])
+            elif "__alias__" in n:
+                found.add(n["__alias__"])
+            elif "__dict__" in n:
+                for _, v in n["__dict__"]:
+                    walk(v)
+            else:
+                for v in n.get("__list__") or n.get("__tuple__") or []:
+                    walk(v)
+
+    walk(node)
+    return found
+
+
+def _flat_state(reader: Any, dtypes: Mapping[str, str], parts: list[str], device: Any) -> Any:
+    """A store written by plain ``repo.save``: path -> tensor, under ``prefix`` if given
+    (paths relative to it; the prefix naming one tensor gives that tensor)."""
+    base = "/".join(parts)
+    chosen = {p: p[len(base) + 1:] if base else p for p in reader.names()
+              if not base or p == base or p.startswith(base + "/")}
+    if not chosen:
+        tops = sorted({p.split("/")[0] for p in reader.names()})[:20]
+        raise NotFoundError(
+            f"Expected tensors under {base!r} in snapshot {reader.id[:12]}. Got none instead; choose "
+            f"one of {tops} (or prefix=None for everything).")
+    out = {}
+    for path, key in chosen.items():
+        tensor = array_to_tensor(reader.read(path), dtypes[path])
+        out[key] = tensor if device is None else tensor.to(device)
+    return out.get("", out)
 
 
 def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:

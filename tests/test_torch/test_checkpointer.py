@@ -15,7 +15,13 @@ torch = pytest.importorskip("torch")
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import QuantConfig  # noqa: E402
 from inshrink_store.policy.search import SearchPoint, SearchSpace  # noqa: E402
-from inshrink_store.torch import DEFAULT_CONFIG, BackgroundSaveError, Checkpointer, load_state  # noqa: E402
+from inshrink_store.torch import (  # noqa: E402
+    DEFAULT_CONFIG,
+    BackgroundSaveError,
+    Checkpointer,
+    Retention,
+    load_state,
+)
 
 SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.0, 0.2, 0.4), protect=(0.0005, 0.005))
 
@@ -261,3 +267,130 @@ def test_a_search_policy_or_the_old_keywords_build_the_same_policy(url: str) -> 
     assert record.tolerance == 0.02 and record.model_ratio_estimate is not None and record.model_ratio_estimate > 1
     old.close()
     new.close()
+
+
+# -- retention, closing, the lossless option -----------------------------------------------
+
+def _steps(repo: Any) -> set[int | None]:
+    return {repo.snapshot(sid).step for sid in repo.snapshot_ids()}
+
+
+def test_retention_keeps_the_last_n_and_every_mth_step(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    saved = {}
+    with (caplog.at_level("INFO", logger="inshrink_store.torch.checkpointer"),
+          Checkpointer(repo, model, opt, lossless=True, max_to_keep=3, keep_every_n_steps=4) as ck):
+        for step in range(1, 11):
+            _train(model, opt, x, y, 1, ck)
+            ck.save(step, extra={"epoch": step // 5})
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert ck.retention == Retention(max_to_keep=3, keep_every_n_steps=4)
+    assert _steps(repo) == {4, 8, 9, 10}
+    assert [i.step for i in repo.log()] == [10, 9, 8]
+    tags = repo.tags()
+    assert sorted(tags) == ["keep-4", "keep-8"] and tags["keep-8"] == repo.resolve("main~2")
+    assert repo.snapshot(tags["keep-4"]).step == 4
+    for sid in repo.snapshot_ids():
+        step = repo.snapshot(sid).step
+        state = load_state(repo, sid)
+        assert state["extra"] == {"epoch": step // 5}
+        for k, v in saved[step].items():
+            assert torch.equal(state["model"][k], v), (step, k)
+    assert repo.verify().problems == []
+    assert "retention: gc(keep_last=3)" in caplog.text and "tagged keep-8" in caplog.text
+    assert ck.last_gc is not None and ck.last_gc.kept_snapshots == 4
+
+
+def test_retention_gc_refused_by_a_commit_in_progress_is_retried_at_the_next_save(
+        url: str, caplog: pytest.LogCaptureFixture) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    ck = Checkpointer(repo, model, opt, lossless=True, retention=Retention(max_to_keep=1), background=False)
+    ck.save(1)
+    other = repo.transaction("other")  # another writer's commit in progress: gc must refuse
+    with caplog.at_level("INFO", logger="inshrink_store.torch.checkpointer"):
+        ck.save(2)  # must not raise into the loop
+    assert "put off to the next save" in caplog.text
+    assert _steps(repo) == {1, 2}
+    other.abort()
+    ck.save(3)
+    ck.close()
+    assert _steps(repo) == {3} and repo.verify().problems == []
+
+
+def test_retention_arguments_are_checked(url: str) -> None:
+    from inshrink_store.errors import InvalidInputError
+
+    repo = ins.open(url, create=True)
+    model = _problem()[2]
+    with pytest.raises(InvalidInputError, match="max_to_keep to be an int >= 1"):
+        Retention(max_to_keep=0)
+    with pytest.raises(InvalidInputError, match="Expected max_to_keep with keep_every_n_steps"):
+        Checkpointer(repo, model, lossless=True, keep_every_n_steps=5)
+    with pytest.raises(InvalidInputError, match="either retention="):
+        Checkpointer(repo, model, lossless=True, retention=Retention(2), max_to_keep=3)
+    assert Retention(2, 5).tag_for(10) == "keep-10" and Retention(2, 5).tag_for(11) is None
+    assert Retention(2, 5).tag_for(10, "exp") == "keep-exp-10"
+
+
+def test_save_after_close_is_a_clear_error(url: str) -> None:
+    from inshrink_store.errors import InvalidInputError
+
+    repo = ins.open(url, create=True)
+    x, y, model, opt = _problem()
+    with Checkpointer(repo, model, opt, lossless=True) as ck:
+        ck.save(1)
+    assert ck.closed
+    with pytest.raises(InvalidInputError, match=r"already closed instead; create a new Checkpointer"):
+        ck.save(2)
+    with pytest.raises(InvalidInputError, match="to restore"):
+        ck.restore()
+    ck.close()  # closing twice is fine
+    assert [i.step for i in repo.log()] == [1]
+
+
+def test_the_warning_says_what_is_lossy_and_lossless_true_keeps_everything_exact(url: str) -> None:
+    from inshrink_store.errors import InvalidInputError
+
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with pytest.warns(UserWarning) as caught:
+        Checkpointer(repo, model, opt).close()
+    text = str(caught[0].message)
+    for part in ("model weights are stored lossy", "16 levels", "no pruning", "0.5% protected",
+                 "optimizer state lossless", "lossless=True"):
+        assert part in text, part
+    _train(model, opt, x, y, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # lossless=True warns about nothing
+        with Checkpointer(repo, model, opt, lossless=True) as ck:
+            info = ck.save(3).result()
+    assert all(a.storage == "lossless" for a in repo.checkout("main").arrays().values())
+    assert info.metadata["quantization"]["config"] is None
+    state = load_state(repo)
+    for k, v in model.state_dict().items():
+        assert torch.equal(state["model"][k], v), k
+    with pytest.raises(InvalidInputError, match="lossless=True alone"):
+        Checkpointer(repo, model, opt, eval_fn=lambda m: 1.0, lossless=True)
+
+
+def test_extra_state_is_checked_in_the_loop(url: str) -> None:
+    from inshrink_store.errors import InvalidInputError
+
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with pytest.raises(InvalidInputError, match=r"extra_state\['epoch'\] to have state_dict"):
+        Checkpointer(repo, model, opt, lossless=True, extra_state={"epoch": 3})
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with Checkpointer(repo, model, opt, lossless=True, extra_state={"scheduler": sched}) as ck:
+        with pytest.raises(InvalidInputError, match="no pickle"):
+            ck.save(1, extra={"when": object()})
+        with pytest.raises(InvalidInputError, match=r"\['scheduler'\] in both"):
+            ck.save(1, extra={"scheduler": 1})
+        ck.save(1, extra={"epoch": 0})
+    assert repo.log()[0].step == 1
+    # a version saved without an extra_state entry cannot restore it: nothing is half-loaded
+    with (Checkpointer(repo, model, opt, lossless=True, extra_state={"scheduler": sched, "gen": torch.Generator()}) as ck,
+          pytest.raises(ins.NotFoundError, match=r"Expected extra state \['gen'\]")):
+        ck.restore()

@@ -33,6 +33,10 @@ def test_demo_compresses_weights_resumes_and_keeps_accuracy(tmp_path: Path) -> N
     assert report["stored_bytes"] < report["logical_bytes"]
     # the model restored from the last compressed version is about as good as an uncompressed run
     assert report["restored_accuracy"] >= report["reference_accuracy"] - 0.05
+    # per version: "accuracy" is the stored checkpoint's, "live_accuracy" the training model's
+    assert report["rows"][-1]["accuracy"] == report["restored_accuracy"]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["live_accuracy"] <= 1.0 for r in report["rows"])
+    assert all("live_accuracy" in i.metrics and "accuracy" not in i.metrics for i in ins.open(url).log())
     repo = ins.open(url)
     assert repo.verify().problems == []
     history = repo.log()
