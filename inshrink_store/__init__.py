@@ -23,13 +23,13 @@ from inshrink_store.errors import (
 from inshrink_store.index import ArrayInfo
 from inshrink_store.policy import QuantConfig, QuantizationRecord
 from inshrink_store.reader import SnapshotReader
-from inshrink_store.repository import (  # noqa: A004 - open mirrors zarr.open
+from inshrink_store.repository import (
     Repository,
     SnapshotInfo,
     Transaction,
     WriteSession,
     init,
-    open,
+    open,  # noqa: A004 - mirrors zarr.open / fsspec.open
 )
 
 __version__ = "0.1.0"

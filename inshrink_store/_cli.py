@@ -858,7 +858,7 @@ def verify(url: str, as_json: JsonOpt = False) -> None:
 def gc(
     url: str,
     keep_last: Annotated[int | None, typer.Option("--keep-last", min=1, help="Keep only the last N versions per branch (and tags).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be deleted.")] = False,
+    dry_run: Annotated[bool, _flag("--dry-run", help="Only report what would be deleted.")] = False,
     stale_after: Annotated[float, typer.Option(
         "--stale-after", min=0,
         help="A writer lease unrenewed this many seconds is a dead process's: gc fences that writer "

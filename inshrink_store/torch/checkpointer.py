@@ -445,6 +445,7 @@ class Checkpointer:
                 evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
             decision = self.policy.decide(candidates, evaluate, previous=self._previous)
         t_search = time.perf_counter() - t0
+        self._gc_idle.wait()  # our own retention gc first: the commit would only poll for it
         info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=decision.plans,
                             branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
                             message=job.message or f"step {job.step}",
@@ -527,14 +528,21 @@ class Checkpointer:
             self._gc_pool.submit(self._gc_loop)
 
     def _gc_loop(self) -> None:
-        while True:
-            with self._lock:
-                if not self._gc_due:
+        finished = False
+        try:
+            while True:
+                with self._lock:  # checked and cleared under one lock: no request is lost
+                    if not self._gc_due:
+                        self._gc_running, finished = False, True
+                        self._gc_idle.set()
+                        return
+                    self._gc_due = False
+                self._collect()
+        finally:
+            if not finished:  # only on an unexpected exit: never leave saves waiting on _gc_idle
+                with self._lock:
                     self._gc_running = False
                     self._gc_idle.set()
-                    return
-                self._gc_due = False
-            self._collect()
 
     def _collect(self) -> None:
         """One ``repo.gc(keep_last=max_to_keep)``; never raises into the training loop."""

@@ -394,3 +394,18 @@ def test_extra_state_is_checked_in_the_loop(url: str) -> None:
     with (Checkpointer(repo, model, opt, lossless=True, extra_state={"scheduler": sched, "gen": torch.Generator()}) as ck,
           pytest.raises(ins.NotFoundError, match=r"Expected extra state \['gen'\]")):
         ck.restore()
+
+
+def test_a_step_saved_again_after_a_restore_moves_its_keep_tag(url: str) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with Checkpointer(repo, model, opt, lossless=True, max_to_keep=2, keep_every_n_steps=2) as ck:
+        for step in (1, 2, 3):
+            ck.save(step)
+        first = repo.tags()["keep-2"]
+        assert ck.restore("keep-2") == 2
+        _train(model, opt, x, y, 1)
+        ck.save(2)
+    again = repo.tags()["keep-2"]
+    assert again != first and again == repo.resolve("main") and repo.snapshot(again).parent == first
+    assert repo.verify().problems == []
