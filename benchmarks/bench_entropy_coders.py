@@ -313,6 +313,10 @@ def report(series: dict[str, list[bytes]], rows: list[tuple[str, int, float, flo
 
 DOC_HEAD = """# Deltas: how a version is stored against its parent
 
+*This page is written by `python benchmarks/bench_entropy_coders.py`, which replaces the
+whole file with its text and fresh measurements: to change the prose, edit `DOC_HEAD` and
+`DOC_TAIL` in that script, not this file.*
+
 A quantized chunk is a payload of level ids plus protected values
 (`inshrink_store/codecs/_payload.py`). Between two versions most ids do not move, so the store
 writes `inshrink.vdelta` (spec: `codecs/inshrink.vdelta/README.md`) against the payload stored
@@ -357,9 +361,9 @@ DOC_TAIL = """
   the group lengths are implied by the base, so the single frame costs nothing extra, while
   per-group frames pay a header each and lose context across groups.
 - Regrouping with zstd is not a clear win on these streams: -2.6 % bytes when 16 % of ids change,
-  +1 % when 2.7 % change, at 2-3x the cost of the transform (ALGORITHM.md saw 1-18 % with zstd;
-  the paper's large gains were with RLE). It helps when bins migrate unevenly (the unit test's
-  case: one busy bin among stable ones). It stays on by default, as the paper specifies; a store
+  +1 % when 2.7 % change, at 2-3x the cost of the transform (an earlier fine-tuning run of a
+  small transformer gained 1-18 % with zstd; the paper's large gains were with RLE). It helps
+  when bins migrate unevenly (the unit test's case: one busy bin among stable ones). It stays on by default, as the paper specifies; a store
   that wants speed can set `regroup: false` (every delta says which it used).
 - The delta transform without the coder ran at 50-300 M ids/s on one core, depending on the
   load the other jobs put on this shared 2-core machine,
@@ -370,6 +374,8 @@ DOC_TAIL = """
 
 def main() -> None:
     t0 = time.perf_counter()
+    print(f"Measuring entropy coders; at the end this REWRITES {DOCS} "
+          "(tables and prose) with the results.", file=sys.stderr, flush=True)
     snaps = train_snapshots()
     tables = []
     for title, pick in SCENARIOS.items():
@@ -377,7 +383,8 @@ def main() -> None:
         tables.append(f"### {title}\n\n" + report(series, measure(series), transform_speed(series)))
         print(tables[-1] + "\n")
     write_doc("\n\n".join(tables))
-    print(f"\nwrote {DOCS} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    print(f"\nrewrote {DOCS} (the whole page) in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The one benchmark command: every comparison side by side, written to docs/benchmarks.md.
 
-    python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; minutes)
-    python benchmarks/run.py --quick    # small sizes, to check the harness (~1 min)
+    python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; 1-5 min on 2 cores)
+    python benchmarks/run.py --quick    # small sizes, to check the harness (about a minute)
 
 Sections: the lossless store vs torch.save and safetensors; quantization vs int8 + zstd
 and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory); the
@@ -21,6 +21,8 @@ import platform
 import sys
 import time
 from pathlib import Path
+
+STARTED = time.perf_counter()  # before the benchmark modules (and torch) are imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -62,22 +64,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write the results page (default: docs/benchmarks.md)")
     args = parser.parse_args(argv)
 
-    start = time.perf_counter()
-    sections = []
+    sections, took = [], []
     steps = [
-        ("Lossless store vs torch.save and safetensors",
+        ("Lossless store vs torch.save and safetensors", "lossless store",
          lambda: bench_store.markdown(bench_store.run(target_mb=20 if args.quick else 100))),
-        ("Quantization vs int8 + zstd and lossless zstd",
+        ("Quantization vs int8 + zstd and lossless zstd", "quantization",
          lambda: bench_quantization.to_markdown(bench_quantization.run(quick=args.quick))),
-        ("Delta codec throughput",
+        ("Delta codec throughput", "delta codec",
          lambda: bench_delta.to_markdown(bench_delta.run(quick=args.quick))),
-        ("A training run checkpointing into the store",
+        ("A training run checkpointing into the store", "training run",
          lambda: bench_training.to_markdown(bench_training.run(quick=args.quick))),
     ]
-    for title, step in steps:
+    for title, label, step in steps:
         t0 = time.perf_counter()
         print(f"[{title}] ...", file=sys.stderr, flush=True)
         body = step()
+        took.append(f"{label} {time.perf_counter() - t0:.0f} s")
         print(f"[{title}] {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         sections.append(f"## {title}\n\n{body}\n")
 
@@ -85,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     page = "\n".join([
         "# Benchmarks",
         "",
-        f"Produced by `{command}` on {datetime.date.today().isoformat()}, in "
-        f"{time.perf_counter() - start:.0f} s.",
+        f"Produced by `{command}` on {datetime.date.today().isoformat()}. The whole command ran "
+        f"for {time.perf_counter() - STARTED:.0f} s of wall clock on the machine below, imports "
+        f"included (sections in order: {', '.join(took)}); other jobs on the same cores make it "
+        "slower.",
         "",
         f"Machine: {machine()}. The machine is shared, so treat speeds as within ±30 %; "
         "ratios and errors are exact and reproducible (every input is seeded).",

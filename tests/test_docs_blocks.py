@@ -77,10 +77,9 @@ class Group:
         return "\n\n".join(b.code for b in self.blocks)
 
 
-def parse_page(path: Path) -> tuple[list[Block], list[str]]:
+def parse_page(page: str, text: str) -> tuple[list[Block], list[str]]:
     """The fenced blocks of one page with their markers, and every problem with the markers."""
-    page = path.relative_to(ROOT).as_posix()
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = text.splitlines()
     blocks: list[Block] = []
     problems: list[str] = []
     i = 0
@@ -89,6 +88,10 @@ def parse_page(path: Path) -> tuple[list[Block], list[str]]:
         if not opened:
             if "docs-test" in lines[i] and not MARKER.match(lines[i].strip()):
                 problems.append(f"{page}:{i + 1}: malformed docs-test marker {lines[i].strip()!r}")
+            elif MARKER.match(lines[i].strip()):
+                after = next((line for line in lines[i + 1:] if line.strip()), "")
+                if not FENCE.match(after):
+                    problems.append(f"{page}:{i + 1}: docs-test marker not right before a code block")
             i += 1
             continue
         fence, lang = opened.group(1), opened.group(2).lower()
@@ -122,14 +125,15 @@ def check_block(block: Block) -> list[str]:
     return []
 
 
-def collect() -> tuple[list[Group], list[str], dict[str, list[Block]]]:
+def collect(texts: dict[str, str]) -> tuple[list[Group], list[str], dict[str, list[Block]]]:
+    """Groups to run, marker problems, and every page's blocks, from page name -> text."""
     groups: list[Group] = []
     problems: list[str] = []
     pages: dict[str, list[Block]] = {}
-    for path in DOC_FILES:
-        blocks, page_problems = parse_page(path)
+    for page, text in texts.items():
+        blocks, page_problems = parse_page(page, text)
         problems += page_problems
-        pages[path.relative_to(ROOT).as_posix()] = blocks
+        pages[page] = blocks
         last: dict[str, Group] = {}
         for block in blocks:
             problems += check_block(block)
@@ -148,7 +152,8 @@ def collect() -> tuple[list[Group], list[str], dict[str, list[Block]]]:
     return groups, problems, pages
 
 
-GROUPS, PROBLEMS, PAGES = collect()
+GROUPS, PROBLEMS, PAGES = collect(
+    {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in DOC_FILES})
 
 
 def _env() -> dict[str, str]:
@@ -174,6 +179,51 @@ def _command(group: Group, folder: Path) -> list[str]:
 def test_markers_are_well_formed() -> None:
     """Every skip says why; nothing that looks like code is silently left out."""
     assert not PROBLEMS, "\n".join(PROBLEMS)
+
+
+def test_marker_rules_are_enforced() -> None:
+    page = textwrap.dedent("""\
+        <!-- docs-test: skip -->
+        ```python
+        print("no reason given")
+        ```
+        ```text
+        an output sample nobody marked
+        ```
+        <!-- docs-test: skip (an output sample) -->
+        ```
+        marked, so fine
+        ```
+        <!-- docs-test: continue -->
+        ```bash
+        echo "nothing to continue"
+        ```
+        ```python
+        x = 1
+        ```
+
+        <!-- docs-test: continue -->
+
+        ```python
+        assert x == 1
+        ```
+        <!-- docs-test: sometimes (a typo) -->
+        ```python
+        pass
+        ```
+        <!-- docs-test skip (malformed) -->
+        <!-- docs-test: skip (before prose, not a block) -->
+        Some prose.
+        """)
+    groups, problems, _ = collect({"page.md": page})
+    assert [p.split(": ", 1)[0] for p in problems] == [
+        "page.md:29", "page.md:30", "page.md:2", "page.md:5", "page.md:13", "page.md:26"], problems
+    assert "not right before a code block" in problems[1]
+    problems.pop(1)
+    assert "needs a reason" in problems[1] and "never run" in problems[2]
+    assert "no earlier bash block" in problems[3] and "unknown docs-test marker" in problems[4]
+    chained = [g for g in groups if len(g.blocks) == 2]
+    assert len(chained) == 1 and chained[0].code == "x = 1\n\n\nassert x == 1\n"
 
 
 def test_pages_have_runnable_blocks() -> None:
