@@ -197,6 +197,7 @@ def open_session(parts: StoreParts, branch: str, *, parent: str | None, inherit:
     read here (head, parent, the objects to dedup against) can be collected before the
     commit; a running gc is waited for up to ``gc_wait`` seconds."""
     lease = leases.acquire_writer(parts.storage, wait=gc_wait, on_wait=on_wait)
+    lease.keep_alive()  # at once: reading a big parent's trees must not let the lease lapse
     try:
         head = parts.refs.head(branch)
         parent_id = parts.resolve(parent) if parent is not None else (head[1] if head else None)
@@ -207,5 +208,4 @@ def open_session(parts: StoreParts, branch: str, *, parent: str | None, inherit:
     except BaseException:
         lease.release()
         raise
-    lease.keep_alive()
     return session
