@@ -611,34 +611,6 @@ def show(
         _say(out, (f"{key:>18}", "bold"), "  ", str(value))
 
 
-def _value_change(a: ins.SnapshotReader, b: ins.SnapshotReader | None, path: str) -> tuple[float, float]:
-    """(max |b - a|, ||b - a|| / ||a||) over finite values; ``b`` None: b holds the same
-    chunks as a (an unchanged tensor), so only a is read."""
-    va = a.read_float(path).astype(np.float64)
-    vb = va if b is None else b.read_float(path).astype(np.float64)
-    if va.size == 0:
-        return 0.0, 0.0
-    delta = vb - va
-    finite = np.isfinite(delta)
-    max_abs = float(np.max(np.abs(delta[finite]))) if finite.any() else math.nan
-    norm = float(np.linalg.norm(va[np.isfinite(va)]))
-    if norm > 0:
-        return max_abs, float(np.linalg.norm(delta[finite]) / norm)
-    return max_abs, 0.0 if max_abs == 0 else math.inf
-
-
-def _add_value_changes(repo: ins.Repository, report: ins.DiffReport) -> None:
-    """Fill max |Δ| and rel L2 Δ of every tensor both versions have in one shape, tensor by
-    tensor under a progress bar."""
-    a, b = repo.checkout(report.a), repo.checkout(report.b)
-    both = [t for t in report.tensors if t.status in ("changed", "unchanged") and t.shape_a == t.shape_b]
-    with progress_bar("diff") as update:
-        for i, change in enumerate(both):
-            change.max_abs_change, change.rel_l2_change = _value_change(
-                a, None if change.status == "unchanged" else b, change.path)
-            update(change.path, i + 1, len(both))
-
-
 @app.command()
 def diff(
     url: str, ref_a: str, ref_b: str,
@@ -647,9 +619,11 @@ def diff(
 ) -> None:
     """Tensors added, removed, changed and unchanged between two versions."""
     repo = _open(url)
-    report = repo.diff(ref_a, ref_b)
     if values:
-        _add_value_changes(repo, report)
+        with progress_bar("diff") as update:
+            report = repo.diff(ref_a, ref_b, values=True, progress=update)
+    else:
+        report = repo.diff(ref_a, ref_b)
     if as_json:
         _json(report.to_dict())
         return

@@ -238,9 +238,11 @@ class Repository:
             return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase)
 
     # -- admin (implemented in inshrink_store.admin) ----------------------------------------
-    def diff(self, ref_a: str, ref_b: str, *, values: bool = False) -> admin.DiffReport:
-        """Per-tensor changes between two versions; ``values`` adds error figures."""
-        return admin.diff(self._parts, ref_a, ref_b, values=values)
+    def diff(self, ref_a: str, ref_b: str, *, values: bool = False,
+             progress: Progress | None = None) -> admin.DiffReport:
+        """Per-tensor changes between two versions; ``values`` adds error figures (reading
+        both versions; ``progress`` hears each tensor)."""
+        return admin.diff(self._parts, ref_a, ref_b, values=values, progress=progress)
 
     def verify(self, progress: Progress | None = None) -> admin.VerifyReport:
         """Check every reachable object end to end; names bad objects and who uses them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,8 @@ import numpy as np
 from inshrink_store.layout import OBJECTS, object_path
 from inshrink_store.parts import StoreParts
 from inshrink_store.reader import SnapshotReader
+
+Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -51,7 +54,10 @@ class DiffReport:
                 "tensors": [t.to_dict() for t in self.tensors]}
 
 
-def diff(parts: StoreParts, ref_a: str, ref_b: str, *, values: bool = False) -> DiffReport:
+def diff(parts: StoreParts, ref_a: str, ref_b: str, *, values: bool = False,
+         progress: Progress | None = None) -> DiffReport:
+    """Per-tensor changes between two versions, from their trees alone; ``values`` also
+    reads every tensor both versions hold in one shape (``progress`` hears each one)."""
     a, b = parts.checkout(ref_a), parts.checkout(ref_b)
     infos_a, infos_b = a.arrays(), b.arrays()
     objects_a = {oid for info in infos_a.values() for oid in info.chunk_ids.values()}
@@ -77,15 +83,22 @@ def diff(parts: StoreParts, ref_a: str, ref_b: str, *, values: bool = False) -> 
             change.chunks_changed = len(differing)
             if differing or ia.shape != ib.shape or ia.dtype != ib.dtype:
                 change.status = "changed"
-            if values and ia.shape == ib.shape:
-                change.max_abs_change, change.rel_l2_change = _value_change(a, b, path)
         out.append(change)
+    if values:
+        both = [c for c in out if c.status in ("changed", "unchanged") and c.shape_a == c.shape_b]
+        for i, change in enumerate(both):
+            # an unchanged tensor has b's very chunks: read it once
+            other = None if change.status == "unchanged" else b
+            change.max_abs_change, change.rel_l2_change = _value_change(a, other, change.path)
+            if progress:
+                progress(change.path, i + 1, len(both))
     return DiffReport(a.id, b.id, out)
 
 
-def _value_change(a: SnapshotReader, b: SnapshotReader, path: str) -> tuple[float, float]:
+def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tuple[float, float]:
+    """(max |b - a|, ||b - a|| / ||a||) over finite values; ``b`` None means b == a."""
     va = a.read_float(path).astype(np.float64)
-    vb = b.read_float(path).astype(np.float64)
+    vb = va if b is None else b.read_float(path).astype(np.float64)
     if va.size == 0:
         return 0.0, 0.0
     delta = vb - va

@@ -22,27 +22,12 @@ import pytest
 
 import inshrink_store as ins
 from inshrink_store import leases
+from tests.test_repository._clock import FakeClock
 
 
 def _state(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"model/w": rng.standard_normal((64, 64)).astype(np.float32), "step": np.array(seed)}
-
-
-class FakeClock(leases.Clock):
-    """One clock for every actor in the test; sleeping advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1.7e9 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += max(seconds, 0.01)
 
 
 @pytest.fixture

@@ -26,20 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import inshrink_store as ins
 from inshrink_store import leases
 from inshrink_store.admin import GarbageCollector
-
-
-class _Clock(leases.Clock):
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1.7e9 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += max(seconds, 0.01)
+from tests.test_repository._clock import FakeClock
 
 
 def _tensors(seed: int) -> dict[str, np.ndarray]:
@@ -58,7 +45,7 @@ class GcProtocolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._saved = (leases.CLOCK, leases.HeldLease.keep_alive)
-        self.clock = _Clock()
+        self.clock = FakeClock(5000.0)
         leases.CLOCK = self.clock
         leases.HeldLease.keep_alive = lambda self, every=0: self  # renewals are rules here
         self.name = f"gcm-{uuid.uuid4().hex}"
