@@ -33,25 +33,15 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import product
 from numbers import Integral, Real
-from typing import Any, Protocol
+from typing import Any
 
 from inshrink_store.errors import FormatError
+from inshrink_store.policy.settings import HasSearchAxes
 
 METRICS = ("magnitude", "sensitivity")
 Index = tuple[int, int, int]
 
 
-class HasSearchAxes(Protocol):
-    """Anything that names a point of the cube, e.g. a ``QuantConfig``."""
-
-    @property
-    def bins(self) -> int: ...
-    @property
-    def prune(self) -> float: ...
-    @property
-    def prune_metric(self) -> str: ...
-    @property
-    def protect(self) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Protocol
 
 
-class QuantSettings(Protocol):
-    """The knobs of one configuration; :class:`QuantConfig` is the implementation."""
+class HasSearchAxes(Protocol):
+    """Anything that names a point of the search cube, e.g. a ``QuantConfig``."""
 
     @property
     def bins(self) -> int: ...
@@ -21,6 +21,11 @@ class QuantSettings(Protocol):
     def prune_metric(self) -> str: ...
     @property
     def protect(self) -> float: ...
+
+
+class QuantSettings(HasSearchAxes, Protocol):
+    """The knobs of one configuration; :class:`QuantConfig` is the implementation."""
+
     @property
     def protected_dtype(self) -> str: ...
     @property
