@@ -648,16 +648,9 @@ def _export_torch(reader: ins.SnapshotReader, output: Path, include_all: bool,
     other objects: it loads with torch.load(weights_only=True)); temp file, then rename."""
     import torch
 
-    from inshrink_store.torch import array_to_tensor
+    from inshrink_store.torch import export_tensors
 
-    names, dtypes = reader.names(), reader.dtypes()
-    model = [p for p in names if p.startswith("model/")]
-    chosen = names if include_all or not model else model
-    tensors = {}
-    for i, p in enumerate(chosen):
-        key = p[len("model/"):] if (p.startswith("model/") and not include_all) else p
-        tensors[key] = array_to_tensor(reader.read(p), dtypes[p])
-        progress(p, i + 1, len(chosen))
+    tensors = export_tensors(reader, include_all=include_all, progress=progress)
     fd, tmp = tempfile.mkstemp(prefix=output.name, suffix=".tmp", dir=output.parent)
     os.close(fd)
     try:

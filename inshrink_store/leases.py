@@ -291,6 +291,28 @@ def _create(storage: Any, prefix: str, kind: str) -> HeldLease:
     return held
 
 
+class _Waiting:
+    """The waiting half of acquire_writer/acquire_gc: a deadline on our own clock, and
+    ``on_wait`` told once about each lease we wait for."""
+
+    def __init__(self, wait: float, on_wait: Any) -> None:
+        self.deadline = CLOCK.monotonic() + wait
+        self.on_wait = on_wait
+        self._told: set[str] = set()
+
+    def over(self) -> bool:
+        return CLOCK.monotonic() >= self.deadline
+
+    def tell(self, live: list[Lease], what: str) -> None:
+        for lease in live:
+            if self.on_wait is not None and lease.path not in self._told:
+                self.on_wait(what.format(lease.describe()))
+            self._told.add(lease.path)
+
+    def pause(self, at_most: float) -> None:
+        CLOCK.sleep(min(at_most, max(0.0, self.deadline - CLOCK.monotonic())))
+
+
 # -- writers ---------------------------------------------------------------------------
 def _gc_dead(storage: Any, lease: Lease, watch: Watch) -> bool:
     if storage.exists(f"{BROKEN}/{lease.token}"):
@@ -310,8 +332,7 @@ def acquire_writer(storage: Any, wait: float = 0.0, on_wait: Any = None) -> Held
     ``wait``, having written nothing that stays.
     """
     watch = Watch()
-    deadline = CLOCK.monotonic() + wait
-    told: set[str] = set()
+    waiting = _Waiting(wait, on_wait)
     while True:
         held = _create(storage, WRITERS, "writer")
         try:
@@ -327,7 +348,7 @@ def acquire_writer(storage: Any, wait: float = 0.0, on_wait: Any = None) -> Held
         if not live:
             return held
         held.release()
-        if CLOCK.monotonic() >= deadline:
+        if waiting.over():
             names = "; ".join(lease.describe() for lease in live)
             raise GcRunningError(
                 f"Expected no gc running on {storage.url!r} while committing. Got {names} "
@@ -335,11 +356,8 @@ def acquire_writer(storage: Any, wait: float = 0.0, on_wait: Any = None) -> Held
                 f"Retry when it finishes (a gc that died is recognised after {EXPIRY:.0f} s "
                 "without renewal, or at once on its own machine)."
             )
-        for lease in live:
-            if on_wait is not None and lease.path not in told:
-                on_wait(f"waiting for gc {lease.describe()} to finish before committing")
-            told.add(lease.path)
-        CLOCK.sleep(min(0.5, max(0.0, deadline - CLOCK.monotonic())))
+        waiting.tell(live, "waiting for gc {} to finish before committing")
+        waiting.pause(0.5)
 
 
 def check_publishable(storage: Any, held: HeldLease) -> None:
@@ -386,8 +404,7 @@ def acquire_gc(storage: Any, *, wait: float = 0.0, stale_after: float = STALE_AF
     """
     held = _create(storage, GC, "gc")
     watch = Watch()
-    deadline = CLOCK.monotonic() + wait
-    told: set[str] = set()
+    waiting = _Waiting(wait, on_wait)
     try:
         while True:
             dead: list[Lease] = []
@@ -427,7 +444,7 @@ def acquire_gc(storage: Any, *, wait: float = 0.0, stale_after: float = STALE_AF
                     (dead if fence.startswith(FENCE_BROKEN) else live).append(lease)
             if not live:
                 return held, dead
-            if CLOCK.monotonic() >= deadline:
+            if waiting.over():
                 names = "; ".join(lease.describe() for lease in live)
                 raise ConflictError(
                     f"Expected no commit in progress on {storage.url!r} while collecting garbage. "
@@ -435,12 +452,9 @@ def acquire_gc(storage: Any, *, wait: float = 0.0, stale_after: float = STALE_AF
                     f"when the writers are done (a dead writer is recognised at once on its own "
                     f"machine, elsewhere once unrenewed for {stale_after:.0f} s; --wait to wait)."
                 )
-            for lease in live:
-                if on_wait is not None and lease.path not in told:
-                    on_wait(f"waiting for writer {lease.describe()}")
-                told.add(lease.path)
+            waiting.tell(live, "waiting for writer {}")
             held.renew()
-            CLOCK.sleep(min(1.0, max(0.0, deadline - CLOCK.monotonic())))
+            waiting.pause(1.0)
     except BaseException:
         held.release()
         raise

@@ -14,33 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 import inshrink_store as ins
 from inshrink_store import _cli
-from inshrink_store._cli import app, main
-
-runner = CliRunner()
+from inshrink_store._cli import main
+from tests._cli_helpers import run, run_main, runner  # noqa: F401
 
 MESSAGE = "[bold]x[/red] :smile: [link=http://e]y[/link]"
 TENSOR = "a[/red]"
 OTHER = "b[bold]:smile:"
 METRIC = "loss[/x]"
 NOTE = "[red]note[/blue]"
-
-
-def run(*args: str):
-    return runner.invoke(app, list(args))
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The real entry point in-process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["inshrink", *args])
-    with pytest.raises(SystemExit) as info:
-        main()
-    captured = capsys.readouterr()
-    code = info.value.code
-    return (0 if code is None else int(code)), captured.out, captured.err
 
 
 def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:

@@ -18,27 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 import inshrink_store as ins
 from inshrink_store import _cli
-from inshrink_store._cli import app, main
-
-runner = CliRunner()
-
-
-def run(*args: str):
-    return runner.invoke(app, list(args))
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The real entry point in-process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["inshrink", *args])
-    with pytest.raises(SystemExit) as info:
-        main()
-    captured = capsys.readouterr()
-    code = info.value.code
-    return (0 if code is None else int(code)), captured.out, captured.err
+from tests._cli_helpers import run, run_main, runner  # noqa: F401
 
 
 def one_error_line(code: int, stderr: str, *needles: str) -> str:

@@ -18,6 +18,7 @@ from inshrink_store.torch.tensors import (
     array_to_tensor,
     arrays_to_state,
     export_safetensors,
+    export_tensors,
     import_file,
     load_checkpoint_file,
     load_state,
@@ -30,6 +31,6 @@ from inshrink_store.torch.tensors import (
 __all__ = [
     "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "RNGState", "Retention", "SearchPolicy",
     "array_to_tensor",
-    "arrays_to_state", "export_safetensors", "import_file", "load_checkpoint_file", "load_state",
+    "arrays_to_state", "export_safetensors", "export_tensors", "import_file", "load_checkpoint_file", "load_state",
     "save_safetensors", "save_state", "state_to_arrays", "tensor_to_array",
 ]

@@ -299,9 +299,11 @@ def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str]) -
         raise
 
 
-def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
-                       progress: Callable[[str, int, int], None] | None = None) -> int:
-    """Model tensors (names without the ``model/`` prefix) of a version to a safetensors file."""
+def export_tensors(reader: Any, *, include_all: bool = False,
+                   progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """What an export writes: the model tensors of a version under their state-dict names
+    (without ``model/``), or every tensor under its full path with ``include_all`` (or when
+    the version has no ``model/`` part)."""
     dtypes = reader.dtypes()
     names = reader.names()
     model = [p for p in names if p.startswith("model/")]
@@ -312,5 +314,12 @@ def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all
         tensors[key] = array_to_tensor(reader.read(p), dtypes[p])
         if progress:
             progress(p, i + 1, len(chosen))
+    return tensors
+
+
+def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
+                       progress: Callable[[str, int, int], None] | None = None) -> int:
+    """Model tensors (names without the ``model/`` prefix) of a version to a safetensors file."""
+    tensors = export_tensors(reader, include_all=include_all, progress=progress)
     save_safetensors(tensors, path)
     return len(tensors)
