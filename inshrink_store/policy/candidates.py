@@ -18,6 +18,7 @@ import numpy as np
 
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.config import QuantConfig
+from inshrink_store.policy.moments import AdamHyper
 from inshrink_store.policy.partition import PartitionCache, StateQuantizer
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
@@ -70,13 +71,19 @@ class Candidates:
 
     def __init__(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
                  previous: Mapping[str, dict[str, Any]], *, sensitivity: Mapping[str, np.ndarray] | None = None,
-                 module_kinds: Mapping[str, str] | None = None, scope: str = "model/", keep: int = KEEP) -> None:
+                 module_kinds: Mapping[str, str] | None = None, scope: str = "model/", keep: int = KEEP,
+                 optimizer_params: Mapping[str, str] | None = None,
+                 optimizer_hyper: Mapping[str, AdamHyper] | None = None) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise FormatError(f"Expected keep to be an int >= 1 (PlanSets held at once). Got {keep!r} instead.")
         self.tensors, self.dtypes, self.previous = tensors, dtypes, previous
         self.sensitivity: Mapping[str, np.ndarray] = sensitivity or {}
         self.module_kinds: Mapping[str, str] = module_kinds or {}
         self.scope, self.keep = scope, keep
+        #: optimizer state prefix (``optimizer/state/3``) -> the model path of its parameter, and
+        #: prefix -> Adam's betas/eps: what a MomentPolicy needs beyond the tensors themselves
+        self.optimizer_params: Mapping[str, str] = optimizer_params or {}
+        self.optimizer_hyper: Mapping[str, AdamHyper] = optimizer_hyper or {}
         self.cache = PartitionCache()
         self.estimator = RatioEstimator(tensors, scope)
         self._held: OrderedDict[QuantConfig, PlanSet] = OrderedDict()

@@ -23,6 +23,7 @@ from typing import Any, TypedDict
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.candidates import KEEP, Candidates
 from inshrink_store.policy.config import DEFAULT_CONFIG, QuantConfig
+from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPolicy, MomentRecord
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
@@ -38,16 +39,22 @@ class PolicyArgs(TypedDict, total=False):
     tolerance: float
     higher_is_better: bool
     space: SearchSpace | None
-    optimizer_policy: Planner | None
+    optimizer_policy: Planner | MomentPolicy | str | None
+
+
+#: the ``optimizer`` values that name a policy: Adam moments compressed (guarded) or lossless
+OPTIMIZER_POLICIES = ("compressed", "lossless")
 
 
 @dataclass(frozen=True)
 class Decision:
     """What to write for one checkpoint: ``plans`` (model and optimizer; None: nothing is
-    quantized) and the ``record`` that goes into the version's metadata."""
+    quantized), the ``record`` that goes into the version's metadata, and ``moments``: how
+    the optimizer's moments were stored (None when a custom planner or nothing stored them)."""
 
     plans: PlanSet | None
     record: QuantizationRecord
+    moments: MomentRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -56,20 +63,24 @@ class SearchPolicy:
 
     ``tolerance`` is relative to the unquantized model's quality (``higher_is_better=False``
     for a loss). ``base`` gives every candidate its settings off the search axes and is
-    stored as it is when there is nothing to evaluate with. ``optimizer`` plans the
-    ``optimizer/`` tensors (e.g. ``StatePlanner(QuantConfig(...), scope="optimizer/")``);
-    None keeps them lossless, the default: the search evaluates only the model, so nothing
-    would check what a lossy optimizer costs. ``keep``: candidate PlanSets held at once.
+    stored as it is when there is nothing to evaluate with. ``optimizer`` stores the
+    ``optimizer/`` tensors: a :class:`~inshrink_store.policy.moments.MomentPolicy` (the
+    default, ``"compressed"``: Adam's moments pruned with the weights and quantized, each
+    tensor checked by the Adam update it drives), ``"lossless"`` or None (bit-exact), or any
+    planner (e.g. ``StatePlanner(QuantConfig(...), scope="optimizer/")``, unchecked).
+    ``keep``: candidate PlanSets held at once.
     """
 
     tolerance: float = 0.05
     higher_is_better: bool = True
     space: SearchSpace = field(default_factory=SearchSpace)
     base: QuantConfig = DEFAULT_CONFIG
-    optimizer: Planner | None = None
+    optimizer: Planner | MomentPolicy | str | None = DEFAULT_MOMENTS
     keep: int = KEEP
 
     def __post_init__(self) -> None:
+        if isinstance(self.optimizer, str) and self.optimizer in OPTIMIZER_POLICIES:
+            object.__setattr__(self, "optimizer", DEFAULT_MOMENTS if self.optimizer == "compressed" else None)
         tol = self.tolerance
         checks = [
             (isinstance(tol, Real) and not isinstance(tol, bool) and math.isfinite(tol) and tol >= 0,
@@ -78,9 +89,10 @@ class SearchPolicy:
              self.higher_is_better),
             (isinstance(self.space, SearchSpace), "space a SearchSpace", self.space),
             (isinstance(self.base, QuantConfig), "base a QuantConfig", self.base),
-            (self.optimizer is None or callable(getattr(self.optimizer, "plan", None)),
-             "optimizer a planner with a plan() method (e.g. StatePlanner(..., scope='optimizer/')) or None",
-             self.optimizer),
+            (self.optimizer is None or (not isinstance(self.optimizer, str)
+                                        and callable(getattr(self.optimizer, "plan", None))),
+             f"optimizer one of {OPTIMIZER_POLICIES}, a MomentPolicy, a planner with a plan() method "
+             "(e.g. StatePlanner(..., scope='optimizer/')) or None", self.optimizer),
             (isinstance(self.keep, int) and not isinstance(self.keep, bool) and self.keep >= 1,
              "keep an int >= 1", self.keep),
         ]
@@ -133,13 +145,13 @@ class SearchPolicy:
             result = self._search(candidates, evaluate, baseline, previous)
             chosen = None if result.best is None else self.config(result.best)
         model = candidates.plans(chosen) if chosen is not None else None
-        plans = self._with_optimizer(model, candidates)
+        plans, moments = self._with_optimizer(model, candidates)
         record = QuantizationRecord(
             config=chosen, tolerance=self.tolerance, higher_is_better=self.higher_is_better,
             baseline_quality=baseline, search=result,
             model_ratio_estimate=None if chosen is None else candidates.ratio(chosen),
         )
-        return Decision(plans, record)
+        return Decision(plans, record, moments)
 
     def _search(self, candidates: Candidates, evaluate: Evaluate, baseline: float,
                 previous: QuantConfig | None) -> SearchResult:
@@ -153,10 +165,21 @@ class SearchPolicy:
         return search(measure_ratio, is_feasible, previous=previous, space=self.space,
                       metrics_available=candidates.metrics_available)
 
-    def _with_optimizer(self, model: PlanSet | None, candidates: Candidates) -> PlanSet | None:
-        """The model's plans plus the optimizer planner's (None when there are none at all)."""
+    def _with_optimizer(self, model: PlanSet | None,
+                        candidates: Candidates) -> tuple[PlanSet | None, MomentRecord | None]:
+        """The model's plans plus the optimizer's (None when there are none at all), and the
+        moments' record when a MomentPolicy stored them."""
         plans = model if model is not None else PlanSet(None)
+        moments: MomentRecord | None = None
         if self.optimizer is not None:
             tensors = {p: a for p, a in candidates.tensors.items() if p.startswith("optimizer/")}
-            plans = plans.with_plans(self.optimizer.plan(tensors, candidates.dtypes, candidates.previous))
-        return plans if len(plans) else None
+            if isinstance(self.optimizer, MomentPolicy):
+                made: MomentPlans = self.optimizer.plan(
+                    tensors, candidates.dtypes, candidates.previous, weights=model or {},
+                    params=candidates.optimizer_params, hyper=candidates.optimizer_hyper)
+                moments = made.record
+                plans = plans.with_plans(made)
+            else:
+                assert not isinstance(self.optimizer, str)  # names became policies in __post_init__
+                plans = plans.with_plans(self.optimizer.plan(tensors, candidates.dtypes, candidates.previous))
+        return (plans if len(plans) else None), moments

@@ -51,7 +51,9 @@ from inshrink_store.policy import (
 )
 from inshrink_store.policy.search import SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
+from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.structure import flatten
+from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.tensors import (
     STRUCTURE_ATTR,
     array_to_tensor,
@@ -186,6 +188,7 @@ class _Job:
     sensitivity: dict[str, Any]  # path -> |g*w| as numpy, over the last EMA window
     kinds: dict[str, str]  # path -> owning module's class name (layer types)
     eval_model: Any  # a CPU copy of the model to evaluate candidates on (None: no eval_fn)
+    params: dict[str, str]  # optimizer/state/<i> -> model/<name> (joint pruning of the moments)
     step: int
     metrics: dict[str, float] | None
     message: str | None
@@ -223,9 +226,13 @@ class Checkpointer:
 
     ``policy`` (a :class:`~inshrink_store.policy.SearchPolicy`) decides what each checkpoint
     stores; the 0.1 keywords ``tolerance``, ``higher_is_better``, ``space`` and
-    ``optimizer_policy`` still work and build it. Without ``eval_fn`` the model weights are
+    ``optimizer_policy`` still work and build it. Adam-shaped optimizer state (``exp_avg`` and
+    ``exp_avg_sq``) is compressed by default, each tensor checked by the Adam update it
+    drives (:class:`~inshrink_store.policy.moments.MomentPolicy`; the version's
+    ``metadata["moments"]`` has the figures); ``optimizer_policy="lossless"`` keeps it
+    bit-exact, a ``MomentPolicy(...)`` sets it. Without ``eval_fn`` the model weights are
     stored quantized with the policy's ``base`` (``DEFAULT_CONFIG``: 16 levels, no pruning,
-    0.5% protected) and the optimizer lossless; ``lossless=True`` stores every tensor
+    0.5% protected); ``lossless=True`` stores every tensor
     bit-exact instead (no search, no warning). ``every``: the save interval in steps, so
     the gradient EMA runs only over the last ``ema_batches`` batches before each save.
     ``gc_wait``: how long a save waits for a running gc (logged) before it fails; a commit
@@ -289,6 +296,7 @@ class Checkpointer:
         self._gc_idle.set()
         self.last_gc: Any = None  # the GcReport of the last retention gc that ran
         self.last_search: SearchResult | None = None
+        self._told_skipped = False  # the "optimizer state is not Adam-shaped" line is logged once
         self.timings: list[dict[str, float]] = []
         if eval_fn is None and not lossless:
             warnings.warn(_lossy_warning(self.policy), stacklevel=2)
@@ -355,7 +363,8 @@ class Checkpointer:
                  for p, _ in mod.named_parameters(recurse=False)}
         eval_model = copy.deepcopy(self.model).to("cpu") if self.eval_fn is not None else None
         copy_s = time.perf_counter() - start
-        job = _Job(state, sensitivity, kinds, eval_model, step, metrics, message, copy_s)
+        params = param_paths(self.model, self.optimizer) if self.optimizer is not None else {}
+        job = _Job(state, sensitivity, kinds, eval_model, params, step, metrics, message, copy_s)
         if self._pool is None:
             return self._save(job)
         self._pending = self._pool.submit(self._save, job)
@@ -439,17 +448,24 @@ class Checkpointer:
                                                          higher_is_better=self.policy.higher_is_better))
         else:
             candidates = Candidates(arrays, dtypes, self._previous_codecs(), sensitivity=job.sensitivity,
-                                    module_kinds=job.kinds, keep=self.policy.keep)
+                                    module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=job.params,
+                                    optimizer_hyper=adam_hyper(job.state.get("optimizer")))
             evaluate = None
             if self.eval_fn is not None and job.eval_model is not None:
                 evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
             decision = self.policy.decide(candidates, evaluate, previous=self._previous)
         t_search = time.perf_counter() - t0
+        metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
+        if decision.moments is not None:
+            metadata["moments"] = decision.moments.to_dict()
+            if decision.moments.skipped and not self._told_skipped:
+                log.warning("checkpoint at step %s: %s", job.step, decision.moments.skipped)
+                self._told_skipped = True
         self._gc_idle.wait()  # our own retention gc first: the commit would only poll for it
         info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=decision.plans,
                             branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
                             message=job.message or f"step {job.step}",
-                            metadata={"quantization": decision.record.to_dict()})
+                            metadata=metadata)
         self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
         self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
                              "total_s": time.perf_counter() - t0 + job.copy_s})
@@ -605,8 +621,10 @@ def _retention(retention: Retention | None, max_to_keep: int | None,
 def _lossy_warning(policy: SearchPolicy) -> str:
     base = policy.base
     pruning = "no pruning" if base.prune == 0 else f"{base.prune:.0%} pruned by {base.prune_metric}"
-    optimizer = ("optimizer state lossless" if policy.optimizer is None
-                 else "optimizer state quantized by the policy's optimizer planner")
+    optimizer = ("optimizer state lossless" if policy.optimizer is None else
+                 "Adam moments compressed, each tensor checked by the update it drives" if
+                 isinstance(policy.optimizer, MomentPolicy) else
+                 "optimizer state quantized by the policy's optimizer planner")
     return ("Checkpointer has no eval_fn: model weights are stored lossy, quantized with the policy's "
             f"base configuration ({base.bins} levels, {pruning}, {base.protect:.1%} protected; unchecked "
             f"for your model); {optimizer}; step counters and scalars exact. Pass eval_fn= to let the "

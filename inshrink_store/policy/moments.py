@@ -1,0 +1,508 @@
+"""Adam's moments stored lossy, judged by the update they drive (ExCP-style, with a guard).
+
+Why: Adam keeps two moments per weight, so once the weights shrink 25x the lossless
+moments are ~95 % of a checkpoint. Following ExCP (Li et al., ICML 2024) the moments are
+pruned jointly and quantized with non-uniform codebooks; unlike ExCP, every tensor is
+checked by what the moments are *for*: the Adam update ``m_hat / (sqrt(v_hat) + eps)``
+computed from the exact and from the stored moments must agree (cosine and relative norm
+error within :class:`MomentPolicy`'s bounds), or the tensor gets more levels and less
+pruning, and stays lossless if even that drifts.
+
+Per parameter (a state entry holding ``exp_avg`` and ``exp_avg_sq`` of one shape):
+
+- ``exp_avg`` (m): set to 0 where the weight was pruned in this version and where the
+  update it drives is among the smallest ``prune`` fraction, then snapped to a k-means
+  codebook of ``exp_avg_bins`` centres with 0.0 pinned (the weights' codebook fitter).
+- ``exp_avg_sq`` (v): positive with a range of tens of octaves, so it is clustered in the
+  log2 domain and every positive entry stays positive (never ``v = 0`` under a kept ``m``,
+  whose update would explode). v is not pruned: a pruned v restored as 0 gives that entry a
+  ~3x larger step for hundreds of steps after a restore (Adam's warm-up without bias
+  correction), while costing only a few bits to keep.
+- step counters, ``param_groups`` and any other state stay exact (lossless).
+
+Deterministic: thresholds by partition, codebooks seeded from the data, so the same
+state gives the same bytes (the store dedups and delta-codes by content).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from inshrink_store import dtypes as dtype_registry
+from inshrink_store.codecs.nuq import NUQZarrCodec, nearest_index
+from inshrink_store.dtypes import QUANTIZABLE_NAMES
+from inshrink_store.errors import FormatError
+from inshrink_store.policy.kmeans import fit_codebook, loss, through_dtype, weighted_kmeans
+from inshrink_store.policy.sketch import BLOCK
+from inshrink_store.writer import ArrayPlan
+
+M_KEY, V_KEY = "exp_avg", "exp_avg_sq"
+#: log2(v) is histogrammed at 1/LOG_RESOLUTION octave before clustering (a few thousand points)
+LOG_RESOLUTION = 64
+RECORD_VERSION = 1
+MAX_BINS = 255  # one uint8 level id per element (+ the protected id)
+#: the escalation when a tensor's update drifts, per attempt: (prune factor, bins factor, whether
+#: entries whose weight was pruned lose their m too). A weight pruned for a small |w| or |g*w|
+#: may still have a large update, so joint pruning is the first thing given up.
+LADDER = ((1.0, 1, True), (1.0, 1, False), (0.5, 2, False), (0.0, 4, False))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """What turns moments into an update: ``betas``, ``eps`` and the step (bias correction)."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    step: float | None = None
+
+    def bias_corrections(self) -> tuple[float, float]:
+        if self.step is None or not self.step >= 1:
+            return 1.0, 1.0
+        return 1.0 - self.beta1 ** self.step, 1.0 - self.beta2 ** self.step
+
+
+@dataclass(frozen=True)
+class MomentPolicy:
+    """How the Checkpointer stores Adam-shaped optimizer state (the default: compressed).
+
+    ``exp_avg_bins`` / ``exp_avg_sq_bins``: codebook levels of m and of log2 v;
+    ``prune``: the fraction of m entries with the smallest update set to 0 (on top of the
+    entries whose weight was pruned); ``min_update_cosine`` / ``max_update_error``: the
+    guard, per tensor, on the Adam update from stored vs exact moments (cosine >= the
+    first, ``||u' - u|| / ||u||`` <= the second). A tensor that fails is retried with half
+    the pruning and twice the levels, then none and four times, then kept lossless (the
+    first retry only gives up pruning m where the weight was pruned: see :data:`LADDER`).
+    Moments smaller than ``min_numel`` elements stay lossless (their bytes do not matter).
+    """
+
+    exp_avg_bins: int = 16
+    exp_avg_sq_bins: int = 16
+    prune: float = 0.3
+    min_update_cosine: float = 0.95
+    max_update_error: float = 0.3
+    min_numel: int = 4096
+
+    def __post_init__(self) -> None:
+        checks = [
+            (_is_int(self.exp_avg_bins) and 3 <= self.exp_avg_bins <= MAX_BINS // 4,
+             f"exp_avg_bins an int in 3..{MAX_BINS // 4}", self.exp_avg_bins),
+            (_is_int(self.exp_avg_sq_bins) and 2 <= self.exp_avg_sq_bins <= MAX_BINS // 4,
+             f"exp_avg_sq_bins an int in 2..{MAX_BINS // 4}", self.exp_avg_sq_bins),
+            (_is_number(self.prune) and 0.0 <= self.prune <= 0.95, "prune a fraction in [0, 0.95]", self.prune),
+            (_is_number(self.min_update_cosine) and -1.0 <= self.min_update_cosine <= 1.0,
+             "min_update_cosine a number in [-1, 1]", self.min_update_cosine),
+            (_is_number(self.max_update_error) and self.max_update_error >= 0,
+             "max_update_error a finite number >= 0", self.max_update_error),
+            (_is_int(self.min_numel) and self.min_numel >= 1, "min_numel an int >= 1", self.min_numel),
+        ]
+        for ok, what, got in checks:
+            if not ok:
+                raise FormatError(f"Expected {what} in MomentPolicy. Got {got!r} instead.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-native; ``from_dict`` of it gives an equal policy."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MomentPolicy:
+        if not isinstance(data, Mapping):
+            raise FormatError(f"Expected a MomentPolicy dict. Got {type(data).__name__} instead.")
+        unknown = sorted(str(k) for k in data if k not in cls.__dataclass_fields__)
+        if unknown:
+            raise FormatError(
+                f"Expected only MomentPolicy fields {sorted(cls.__dataclass_fields__)}. Got unknown "
+                f"{unknown} instead; remove them.")
+        return cls(**dict(data))
+
+    def attempts(self) -> list[tuple[float, int, int, bool]]:
+        """(prune, m levels, v levels, joint with the weights) tried in order until the guard passes."""
+        return [(self.prune * p, min(self.exp_avg_bins * b, MAX_BINS), min(self.exp_avg_sq_bins * b, MAX_BINS),
+                 joint) for p, b, joint in LADDER]
+
+    # -- the repository's Planner protocol ----------------------------------------------------
+    def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+             previous: Mapping[str, dict[str, Any]], *, weights: Mapping[str, Any] | None = None,
+             params: Mapping[str, str] | None = None,
+             hyper: Mapping[str, AdamHyper] | None = None) -> MomentPlans:
+        """Plans for every Adam-shaped moment pair under ``optimizer/`` (the rest lossless).
+
+        ``weights``: this version's model plans (path -> ArrayPlan) and ``params``: state
+        prefix (``optimizer/state/3``) -> model path, for joint pruning; ``hyper``: prefix ->
+        :class:`AdamHyper` (betas, eps, step; defaults otherwise) for the update guard."""
+        return plan_moments(self, tensors, dtypes, previous=previous, weights=weights or {},
+                            params=params or {}, hyper=hyper or {})
+
+
+def adam_pairs(tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> list[str]:
+    """Sorted state prefixes holding an ``exp_avg`` and an ``exp_avg_sq`` of one shape and a
+    float dtype (any numel; size limits are the policy's)."""
+    found = []
+    for path in tensors:
+        if not path.startswith("optimizer/") or not path.endswith("/" + M_KEY):
+            continue
+        prefix = path[: -len(M_KEY) - 1]
+        v_path = f"{prefix}/{V_KEY}"
+        if v_path not in tensors or tensors[path].shape != tensors[v_path].shape:
+            continue
+        if dtypes.get(path) in QUANTIZABLE_NAMES and dtypes.get(v_path) == dtypes.get(path):
+            found.append(prefix)
+    return sorted(found)
+
+
+def update(m: np.ndarray, v: np.ndarray, hyper: AdamHyper) -> np.ndarray:
+    """The Adam step direction ``m_hat / (sqrt(v_hat) + eps)`` (float32, lr left out)."""
+    c1, c2 = hyper.bias_corrections()
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        denom = np.sqrt(np.maximum(v, 0, dtype=np.float32) / np.float32(c2)) + np.float32(hyper.eps)
+        return (m / np.float32(c1)) / denom
+
+
+def compare(exact: np.ndarray, stored: np.ndarray) -> tuple[float, float]:
+    """(cosine, relative norm error) of two updates over the entries finite in both, blockwise
+    in float64 (1.0 and 0.0 when both are all zero)."""
+    a_flat, b_flat = exact.ravel(), stored.ravel()
+    dot = aa = bb = dd = 0.0
+    for s in range(0, a_flat.size, BLOCK):
+        a = a_flat[s:s + BLOCK].astype(np.float64)
+        b = b_flat[s:s + BLOCK].astype(np.float64)
+        ok = np.isfinite(a) & np.isfinite(b)
+        if not ok.all():
+            a, b = a[ok], b[ok]
+        d = a - b
+        dot += float(np.dot(a, b))
+        aa += float(np.dot(a, a))
+        bb += float(np.dot(b, b))
+        dd += float(np.dot(d, d))
+    if aa == 0.0:
+        return (1.0, 0.0) if bb == 0.0 else (0.0, math.inf)
+    cosine = dot / math.sqrt(aa * bb) if bb > 0 else 0.0
+    return float(min(1.0, cosine)), float(math.sqrt(dd / aa))
+
+
+def _snap(values: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+    """Each finite value replaced by its nearest centre; NaN/Inf kept (the codec protects them)."""
+    c32 = codebook.astype(np.float32)
+    flat = values.ravel()
+    out = np.empty(flat.size, np.float32)
+    for s in range(0, flat.size, BLOCK):
+        part = flat[s:s + BLOCK]
+        ids = nearest_index(part, c32)
+        out[s:s + BLOCK] = np.where(np.isfinite(part), c32[np.minimum(ids, c32.size - 1)], part)
+    return out.reshape(values.shape)
+
+
+def smallest_mask(scores: np.ndarray, fraction: float) -> np.ndarray:
+    """True for the ``fraction`` of finite entries with the smallest score (ties at the
+    threshold included; deterministic: a partition, no sort order of equal keys)."""
+    flat = np.abs(scores.ravel())
+    finite = np.isfinite(flat)
+    count = int(fraction * int(finite.sum()))
+    if count <= 0:
+        return np.zeros(scores.shape, bool)
+    pool = flat[finite]
+    threshold = np.partition(pool, count - 1)[count - 1]
+    return ((flat <= threshold) & finite).reshape(scores.shape)
+
+
+def _importance_histogram(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-zero finite ``values`` bucketed by sign and log2 magnitude (1/LOG_RESOLUTION octave):
+    (each bucket's weighted mean value, its summed weight) - a few thousand points to cluster."""
+    logs = np.log2(np.abs(values).astype(np.float64))
+    keys = np.sign(values).astype(np.int64) * (np.round(logs * LOG_RESOLUTION).astype(np.int64) + (1 << 20))
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    inverse = inverse.ravel()
+    total = np.bincount(inverse, weights=weights, minlength=uniq.size)
+    centre = np.bincount(inverse, weights=weights * values, minlength=uniq.size)
+    keep = total > 0
+    return centre[keep] / total[keep], total[keep]
+
+
+def quantize_exp_avg(m: np.ndarray, drop: np.ndarray, levels: int, dtype: str,
+                     importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(stored m, codebook): ``drop`` entries 0, the rest on ``levels`` centres with 0 pinned.
+
+    ``importance`` (per entry; ``1 / (sqrt(v_hat) + eps)^2``, how much an error in m moves the
+    update) weighs the k-means, so the codebook minimises the *update's* squared error, not
+    m's: a small m under a tiny v drives a large step and gets the resolution it needs. With
+    no importance the weights' own codebook fitter is used."""
+    keep = ~drop & np.isfinite(m) & (m != 0)
+    if importance is not None:
+        keep &= np.isfinite(importance) & (importance > 0)
+    kept = m[keep]
+    if kept.size == 0:
+        codebook = np.zeros(1)
+    elif importance is None:
+        codebook = fit_codebook(kept, levels, include_zero=True, dtype=dtype)
+    else:
+        points, weights = _importance_histogram(kept.astype(np.float64), importance[keep].astype(np.float64))
+        centres = weighted_kmeans(points, weights, levels - 1, sigma=1.0)
+        codebook = np.unique(through_dtype(centres, dtype).astype(np.float64))
+    if not (codebook == 0.0).any():
+        codebook = np.union1d(codebook, [0.0])
+    out = _snap(m, codebook)
+    out[drop & np.isfinite(m)] = 0.0
+    return out, codebook
+
+
+def quantize_exp_avg_sq(v: np.ndarray, levels: int, dtype: str, importance: np.ndarray | None = None,
+                        previous: Any = None, reuse_tolerance: float = 1.10) -> tuple[np.ndarray, np.ndarray]:
+    """(stored v, codebook): positive entries on ``levels`` centres fitted to log2 v (so every
+    positive entry stays positive), zeros exact; negative or non-finite entries are left as
+    they are (the codec stores them exactly as protected values).
+
+    ``importance`` (per entry, e.g. the update squared) weighs the clustering, so entries
+    that drive large steps get the finer levels. ``previous`` (the parent version's
+    codebook of this tensor) is reused while its weighted log-domain error is within
+    ``reuse_tolerance`` x a fresh fit's: v moves slowly (beta2 ~ 0.999), so with the same
+    centres most level ids repeat and the store's delta against the parent is small."""
+    positive = np.isfinite(v) & (v > 0)
+    logs = np.log2(v[positive].astype(np.float64))
+    out = np.array(v, dtype=np.float32, copy=True)
+    codebook = [0.0] if (v == 0).any() else []
+    if logs.size:
+        weights = np.ones(logs.size) if importance is None else importance[positive].astype(np.float64)
+        weights = np.where(np.isfinite(weights), weights, 0.0) + 1e-30  # every bucket counts a little
+        keys, inverse = np.unique(np.round(logs * LOG_RESOLUTION).astype(np.int64), return_inverse=True)
+        mass = np.bincount(inverse.ravel(), weights=weights, minlength=keys.size)
+        points = keys / LOG_RESOLUTION
+        fresh = weighted_kmeans(points, mass, levels, sigma=1.0)
+        chosen = fresh
+        reused = _positive_codebook(previous, levels)
+        if reused is not None:
+            w = mass / mass.sum()
+            if loss(points, w, np.log2(reused)) <= reuse_tolerance * loss(points, w, fresh):
+                chosen = np.log2(reused)
+        values = through_dtype(np.exp2(chosen), dtype).astype(np.float64)
+        values = np.unique(values[np.isfinite(values) & (values > 0)])
+        if values.size == 0:  # every centre under- or overflowed the dtype: keep v exact
+            return np.array(v, dtype=np.float32, copy=True), np.zeros(0)
+        ids = nearest_index(logs, np.log2(values))
+        out[positive] = values[np.minimum(ids, values.size - 1)].astype(np.float32)
+        codebook.extend(values.tolist())
+    return out, np.asarray(sorted(codebook), np.float64)
+
+
+def _positive_codebook(previous: Any, levels: int) -> np.ndarray | None:
+    """The parent's positive centres, if it had a usable codebook of at most ``levels``."""
+    if previous is None:
+        return None
+    try:
+        prev = np.asarray(previous, np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        return None
+    prev = prev[np.isfinite(prev) & (prev > 0)]
+    return prev if 1 <= prev.size <= levels else None
+
+
+@dataclass(frozen=True)
+class MomentTensorRecord:
+    """One moment pair's outcome: ``storage`` ("quantized" or "lossless"), the guard's
+    figures for the stored update, the levels and pruning used, and the attempts made."""
+
+    storage: str
+    update_cosine: float | None = None
+    update_rel_error: float | None = None
+    exp_avg_levels: int | None = None
+    exp_avg_sq_levels: int | None = None
+    pruned_fraction: float | None = None
+    attempts: int = 0
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class MomentRecord:
+    """What ``metadata["moments"]`` of a version says: the policy, each pair's outcome, and
+    why nothing was compressed when nothing was (``skipped``)."""
+
+    policy: MomentPolicy | None
+    tensors: Mapping[str, MomentTensorRecord] = field(default_factory=dict)
+    skipped: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": RECORD_VERSION, "policy": None if self.policy is None else self.policy.to_dict(),
+                "tensors": {p: r.to_dict() for p, r in sorted(self.tensors.items())}, "skipped": self.skipped}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MomentRecord:
+        """Read ``metadata["moments"]``; a FormatError names what is wrong."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("tensors", {}), Mapping):
+            raise FormatError(
+                f"Expected metadata['moments'] to be a dict with a 'tensors' dict. Got {type(data).__name__} "
+                "instead; it was not written by a Checkpointer.")
+        version = data.get("version", RECORD_VERSION)
+        if not _is_int(version) or not 1 <= version <= RECORD_VERSION:
+            raise FormatError(f"Expected moments record version 1..{RECORD_VERSION}. Got {version!r} instead; "
+                              "a newer inshrink-store wrote it: upgrade.")
+        policy = data.get("policy")
+        tensors = {}
+        for prefix, entry in data.get("tensors", {}).items():
+            if not isinstance(entry, Mapping) or entry.get("storage") not in ("quantized", "lossless"):
+                raise FormatError(f"Expected moments record entry {prefix!r} with storage 'quantized' or "
+                                  f"'lossless'. Got {entry!r:.120} instead.")
+            known = MomentTensorRecord.__dataclass_fields__
+            tensors[str(prefix)] = MomentTensorRecord(**{k: v for k, v in entry.items() if k in known})
+        skipped = data.get("skipped")
+        return cls(None if policy is None else MomentPolicy.from_dict(policy), tensors,
+                   None if skipped is None else str(skipped))
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and the worst guard figures: what ``inshrink log`` and the demo print."""
+        quantized = [r for r in self.tensors.values() if r.storage == "quantized"]
+        cosines = [r.update_cosine for r in quantized if r.update_cosine is not None]
+        errors = [r.update_rel_error for r in quantized if r.update_rel_error is not None]
+        return {"quantized": len(quantized), "lossless": len(self.tensors) - len(quantized),
+                "min_update_cosine": min(cosines) if cosines else None,
+                "max_update_rel_error": max(errors) if errors else None, "skipped": self.skipped}
+
+
+class MomentPlans(Mapping[str, ArrayPlan]):
+    """path -> ArrayPlan of the compressed moments, with the :class:`MomentRecord` that
+    explains them (``record``)."""
+
+    def __init__(self, plans: Mapping[str, ArrayPlan], record: MomentRecord) -> None:
+        self._plans = MappingProxyType(dict(plans))
+        self.record = record
+
+    def __getitem__(self, path: str) -> ArrayPlan:
+        return self._plans[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._plans
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+    def plan(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str],
+             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
+        """Repository hook: these plans, as made."""
+        return self
+
+
+def _plan(values: np.ndarray, codebook: np.ndarray, dtype: str, attributes: dict[str, Any]) -> ArrayPlan:
+    entry = dtype_registry.get(dtype)
+    codec = NUQZarrCodec(codebook=codebook, tolerance=0.0, protected_dtype="float32",
+                         dtype=entry.codec_name if entry.carried_as_bits else None)
+    return ArrayPlan(entry.from_float32(values), codec, attributes)
+
+
+def _step_of(tensors: Mapping[str, np.ndarray], prefix: str) -> float | None:
+    step = tensors.get(f"{prefix}/step")
+    if step is None or np.asarray(step).size != 1:
+        return None
+    value = float(np.asarray(step).reshape(-1)[0])
+    return value if math.isfinite(value) else None
+
+
+def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str], *,
+                 previous: Mapping[str, dict[str, Any]], weights: Mapping[str, Any], params: Mapping[str, str],
+                 hyper: Mapping[str, AdamHyper]) -> MomentPlans:
+    """See :meth:`MomentPolicy.plan`. The caller's arrays are only read."""
+    pairs = adam_pairs(tensors, dtypes)
+    if not pairs:
+        keys = sorted({p.rsplit("/", 1)[-1] for p in tensors if p.startswith("optimizer/state/")})
+        skipped = None
+        if keys:
+            skipped = (f"optimizer state is not Adam-shaped (no exp_avg/exp_avg_sq pairs; state keys {keys[:6]}): "
+                       "stored lossless")
+        return MomentPlans({}, MomentRecord(policy, {}, skipped))
+    plans: dict[str, ArrayPlan] = {}
+    records: dict[str, MomentTensorRecord] = {}
+    for prefix in pairs:
+        m_path, v_path = f"{prefix}/{M_KEY}", f"{prefix}/{V_KEY}"
+        if tensors[m_path].size < policy.min_numel:
+            records[prefix] = MomentTensorRecord("lossless", reason=f"fewer than {policy.min_numel} elements")
+            continue
+        dtype = dtypes[m_path]
+        entry = dtype_registry.get(dtype)
+        m, v = entry.to_float32(tensors[m_path]), entry.to_float32(tensors[v_path])
+        h = hyper.get(prefix, AdamHyper())
+        if h.step is None:
+            h = AdamHyper(h.beta1, h.beta2, h.eps, _step_of(tensors, prefix))
+        exact = update(m, v, h)
+        weight_pruned = _weight_pruned(weights, params.get(prefix), m.shape)
+        prev_v = previous.get(v_path, {}).get("codec", {}).get("codebook")
+        chosen = _guarded(policy, m, v, exact, h, weight_pruned, dtype, prev_v)
+        if chosen is None:
+            records[prefix] = MomentTensorRecord(
+                "lossless", attempts=len(policy.attempts()),
+                reason=(f"update drifted beyond cosine {policy.min_update_cosine} / error "
+                        f"{policy.max_update_error} at every setting tried"))
+            continue
+        (m_q, m_cb), (v_q, v_cb), record = chosen
+        figures = {"moment": M_KEY, "update_cosine": record.update_cosine,
+                   "update_rel_error": record.update_rel_error, "levels": int(m_cb.size),
+                   "pruned_fraction": record.pruned_fraction, "protected_fraction": 0.0}
+        plans[m_path] = _plan(m_q, m_cb, dtype, figures)
+        plans[v_path] = _plan(v_q, v_cb, dtype, {**figures, "moment": V_KEY, "levels": int(v_cb.size),
+                                                 "pruned_fraction": 0.0})
+        records[prefix] = record
+    return MomentPlans(plans, MomentRecord(policy, records))
+
+
+def _weight_pruned(weights: Mapping[str, Any], path: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Where this version stores the moments' weight as 0 (pruned), or None if unknown."""
+    if path is None or path not in weights:
+        return None
+    values = np.asarray(weights[path].values)
+    if values.shape != shape:
+        return None
+    return values == 0
+
+
+def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarray, h: AdamHyper,
+             weight_pruned: np.ndarray | None, dtype: str, previous_v: Any) -> Any:
+    """The first attempt whose stored update passes the guard, or None."""
+    v_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    _, c2 = h.bias_corrections()
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        m_importance = 1.0 / (np.sqrt(np.maximum(v, 0) / c2) + h.eps) ** 2
+        v_importance = exact.astype(np.float64) ** 2
+    attempts = policy.attempts()
+    for n, (prune, m_levels, v_levels, joint) in enumerate(attempts, start=1):
+        drop = smallest_mask(exact, prune) if prune > 0 else np.zeros(m.shape, bool)
+        if joint and weight_pruned is not None:
+            drop |= weight_pruned
+        m_q, m_cb = quantize_exp_avg(m, drop, m_levels, dtype, m_importance)
+        if v_levels not in v_cache:
+            v_cache[v_levels] = quantize_exp_avg_sq(v, v_levels, dtype, v_importance, previous_v)
+        v_q, v_cb = v_cache[v_levels]
+        if v_cb.size == 0:
+            return None
+        cosine, error = compare(exact, update(m_q, v_q, h))
+        if cosine >= policy.min_update_cosine and error <= policy.max_update_error:
+            record = MomentTensorRecord(
+                "quantized", update_cosine=round(cosine, 6), update_rel_error=round(error, 6),
+                exp_avg_levels=int(m_cb.size), exp_avg_sq_levels=int(v_cb.size),
+                pruned_fraction=round(float(drop.mean()), 6) if drop.size else 0.0, attempts=n)
+            return (m_q, m_cb), (v_q, v_cb), record
+    return None
+
+
+#: the Checkpointer's default: moments compressed, guarded
+DEFAULT_MOMENTS = MomentPolicy()

@@ -1,0 +1,53 @@
+"""What a MomentPolicy needs to know about a torch optimizer beyond its tensors.
+
+A state dict numbers parameters (``state[3]``) in the order of its ``param_groups``; joint
+pruning needs the model path behind each number (only the live model and optimizer know
+it), and the update guard needs each group's ``betas`` and ``eps`` (the state dict's
+``param_groups`` carry them, so a saved file is enough).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from numbers import Real
+from typing import Any
+
+from inshrink_store.policy.moments import AdamHyper
+
+
+def param_paths(model: Any, optimizer: Any, prefix: str = "model/") -> dict[str, str]:
+    """``optimizer/state/<i>`` -> ``model/<name>`` for every parameter the optimizer holds
+    that is one of the model's (the numbering torch's ``Optimizer.state_dict`` uses)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    paths: dict[str, str] = {}
+    index = 0
+    for group in getattr(optimizer, "param_groups", []):
+        for p in group.get("params", []):
+            if id(p) in names:
+                paths[f"optimizer/state/{index}"] = prefix + names[id(p)]
+            index += 1
+    return paths
+
+
+def adam_hyper(optimizer_state: Any) -> dict[str, AdamHyper]:
+    """``optimizer/state/<i>`` -> betas and eps of its group, from a state dict's
+    ``param_groups`` (groups without two betas and an eps are left out: not Adam-like)."""
+    if not isinstance(optimizer_state, Mapping):
+        return {}
+    out: dict[str, AdamHyper] = {}
+    for group in optimizer_state.get("param_groups", []) or []:
+        if not isinstance(group, Mapping):
+            continue
+        betas, eps = group.get("betas"), group.get("eps")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_real(b) for b in betas)
+                and _real(eps)):
+            continue
+        beta1, beta2 = (float(b) for b in betas)
+        for index in group.get("params", []) or []:
+            if isinstance(index, int):
+                out[f"optimizer/state/{index}"] = AdamHyper(beta1, beta2, float(eps))
+    return out
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
