@@ -49,9 +49,9 @@ from inshrink_store.policy import (
     QuantizationRecord,
     SearchPolicy,
 )
+from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.policy.search import SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
-from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.structure import flatten
 from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.tensors import (

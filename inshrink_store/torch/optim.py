@@ -40,7 +40,7 @@ def adam_hyper(optimizer_state: Any) -> dict[str, AdamHyper]:
             continue
         betas, eps = group.get("betas"), group.get("eps")
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_real(b) for b in betas)
-                and _real(eps)):
+                and isinstance(eps, Real) and not isinstance(eps, bool)):
             continue
         beta1, beta2 = (float(b) for b in betas)
         for index in group.get("params", []) or []:
