@@ -162,8 +162,9 @@ def test_restore_in_a_new_process_continues_the_chain(tmp_path: Path) -> None:
         stored = load_state(repo2, older)
         for k, v in stored["model"].items():
             assert torch.equal(model2.state_dict()[k], v), k
-        for k, v in saved_opt.items():  # optimizer state is lossless
-            assert torch.equal(opt2.state_dict()["state"][0][k], v), k
+        for k in saved_opt:  # the optimizer holds what the version stores (moments compressed)
+            assert torch.equal(opt2.state_dict()["state"][0][k], stored["optimizer"]["state"][0][k]), k
+        assert torch.equal(opt2.state_dict()["state"][0]["step"], saved_opt["step"])  # counters exact
         _train(model2, opt2, x, y, 5, ck2)
         info = ck2.save(15)
         info = ck2.wait() or info
@@ -173,17 +174,27 @@ def test_restore_in_a_new_process_continues_the_chain(tmp_path: Path) -> None:
     assert np.isfinite(_accuracy(model2, x, y))
 
 
-def test_optimizer_state_is_lossless_by_default_and_a_policy_can_quantize_it(url: str) -> None:
+def test_moments_are_compressed_by_default_lossless_on_request_and_a_planner_can_quantize_them(url: str) -> None:
     from inshrink_store.policy import StatePlanner
 
     x, y, model, opt = _problem()
     _train(model, opt, x, y, 5)
     repo = ins.open(url, create=True)
+    big = lambda p, a: p.startswith("optimizer/") and a.shape and np.prod(a.shape) >= 4096  # noqa: E731
     with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE) as ck:
+        info = ck.save(5)
+        info = ck.wait() or info
+    arrays = repo.checkout("main").arrays()
+    assert [p for p, a in arrays.items() if big(p, a)]
+    assert all(a.storage == "quantized" for p, a in arrays.items() if big(p, a))
+    assert any(a.storage == "quantized" for p, a in arrays.items() if p.startswith("model/"))
+    assert any(r["storage"] == "quantized" for r in info.metadata["moments"]["tensors"].values())
+
+    with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE,
+                      optimizer_policy="lossless") as ck:
         ck.save(5)
     arrays = repo.checkout("main").arrays()
     assert all(a.storage == "lossless" for p, a in arrays.items() if p.startswith("optimizer/"))
-    assert any(a.storage == "quantized" for p, a in arrays.items() if p.startswith("model/"))
 
     policy = StatePlanner(QuantConfig(bins=16, protect=0.01), scope="optimizer/")
     with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE,
@@ -359,7 +370,7 @@ def test_the_warning_says_what_is_lossy_and_lossless_true_keeps_everything_exact
         Checkpointer(repo, model, opt).close()
     text = str(caught[0].message)
     for part in ("model weights are stored lossy", "16 levels", "no pruning", "0.5% protected",
-                 "optimizer state lossless", "lossless=True"):
+                 "Adam moments compressed", "lossless=True"):
         assert part in text, part
     _train(model, opt, x, y, 3)
     with warnings.catch_warnings():
