@@ -40,6 +40,7 @@ from rich.text import Text
 import inshrink_store as ins
 from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.policy.config import MAX_LEVELS
+from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentRecord
 from inshrink_store.policy.record import QuantizationRecord
 
 app = typer.Typer(
@@ -452,6 +453,9 @@ def import_(
     create: Annotated[bool, _flag(
         "--create", help="Create the store in an empty folder. A path where nothing exists yet is "
         "always created (and said so on stderr); a folder of other files never is.")] = False,
+    optimizer: Annotated[str | None, typer.Option(
+        "--optimizer", help="The file's optimizer state: 'compressed' (Adam moments quantized, each "
+        "checked by the update it drives) or 'lossless'. [default: compressed with --bins, else lossless]")] = None,
 ) -> None:
     """Import a checkpoint file as a new version; prints the snapshot id.
 
@@ -459,6 +463,10 @@ def import_(
     from inshrink_store.torch import import_file
 
     quantize = _check_quantize_options(bins, prune, protect, prune_metric, embedding_bins)
+    if optimizer is not None and optimizer not in ("compressed", "lossless"):
+        raise typer.BadParameter(f"Expected compressed or lossless. Got {optimizer!r} instead.",
+                                 param_hint="'--optimizer'")
+    compressed = optimizer == "compressed" or (optimizer is None and quantize is not None)
     if file.is_dir():
         raise FormatError(
             f"Expected a checkpoint file (.safetensors, .pt or .pth). Got the directory {str(file)!r} "
@@ -476,7 +484,8 @@ def import_(
         commit["metadata"] = {"quantization": record.to_dict()}
     with progress_bar("import") as update:
         info = import_file(repo, file, message=message or file.name, step=step, branch=branch,
-                           quantize=quantize, progress=update, **commit)
+                           quantize=quantize, moments=DEFAULT_MOMENTS if compressed else None,
+                           progress=update, **commit)
     _say(out, info.id)
 
 
@@ -492,13 +501,30 @@ def log(
     if as_json:
         _json([e.to_dict() for e in entries])
         return
-    table = Table("snapshot", "time", "step", "message", "metrics", "config", "search")
+    table = Table("snapshot", "time", "step", "message", "metrics", "config", "search", "moments")
     for e in entries:
         metrics = " ".join(f"{k}={_number(v)}" for k, v in e.metrics.items())
         cfg, search = _quantization_summary(e.metadata.get("quantization"))
         _row(table, e.id[:12], e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
-             e.message, metrics, cfg, search)
+             e.message, metrics, cfg, search, _moments_summary(e.metadata.get("moments")))
     out.print(table)
+
+
+def _moments_summary(raw: Any) -> str:
+    """The `log` column of a version's moments record: how many pairs were compressed and the
+    worst update figures (``-`` when the version has no record)."""
+    if raw is None:
+        return "-"
+    try:
+        summary = MomentRecord.from_dict(raw).summary()
+    except FormatError:
+        return "(unreadable moments record)"
+    if summary["skipped"]:
+        return "lossless (not Adam-shaped)"
+    if not summary["quantized"]:
+        return f"lossless ({summary['lossless']} pairs)"
+    return (f"{summary['quantized']} compressed, {summary['lossless']} lossless; update cos >= "
+            f"{summary['min_update_cosine']:.3f}, err <= {summary['max_update_rel_error']:.1%}")
 
 
 def _quantization_summary(raw: Any) -> tuple[str, str]:
@@ -538,17 +564,28 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
             "tensor": path, "shape": list(info.shape), "dtype": info.dtype, "logical_bytes": info.logical_bytes,
             "stored_bytes": stored, "storage": info.storage, "levels": attrs.get("levels"),
             "pruned_fraction": attrs.get("pruned_fraction"), "protected_fraction": attrs.get("protected_fraction"),
+            "update_cosine": attrs.get("update_cosine"), "update_rel_error": attrs.get("update_rel_error"),
         })
     if as_json:
         _json({"snapshot": reader.id, "tensors": rows})
         return
-    table = Table("tensor", "shape", "dtype", "logical", "stored", "storage", "levels", "pruned", "protected")
+    guarded = any(r["update_cosine"] is not None for r in rows)
+    columns = ["tensor", "shape", "dtype", "logical", "stored", "storage", "levels", "pruned", "protected"]
+    table = Table(*columns, *(["update cos", "update err"] if guarded else []))
     for r in rows:
         pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+        guard = ([_figure(r["update_cosine"], ".4f"), _figure(r["update_rel_error"], ".1%")] if guarded else [])
         _row(table, r["tensor"], "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),
              _size(r["stored_bytes"]), r["storage"], r["levels"] or "-",
-             pct(r["pruned_fraction"]), pct(r["protected_fraction"]))
+             pct(r["pruned_fraction"]), pct(r["protected_fraction"]), *guard)
     out.print(table)
+    if guarded:
+        _say(err, "update cos / err: the Adam update from the stored moments against the exact one "
+                  "(cosine, relative norm error)")
+
+
+def _figure(value: Any, spec: str) -> str:
+    return "-" if not isinstance(value, (int, float)) or isinstance(value, bool) else format(value, spec)
 
 
 def _find_tensor(reader: ins.SnapshotReader, name: str, url: str, ref: str) -> str:
@@ -873,16 +910,26 @@ def du(
     prefix: Annotated[str, typer.Option("--prefix", help="Only tensors under this path, e.g. model/.")] = "",
     as_json: JsonOpt = False,
 ) -> None:
-    """Per version: logical bytes, new stored bytes, cumulative stored bytes, ratio."""
-    rows = _open(url).du(ref, prefix)
+    """Per version: logical bytes, new stored bytes, cumulative stored bytes, ratio (and, for a
+    training state, the weights' and the optimizer's overall ratios apart)."""
+    repo = _open(url)
+    rows = repo.du(ref, prefix)
+    # a training state's parts apart: the weights' and the optimizer's overall ratios
+    parts = {} if prefix else {name: {r.snapshot: r for r in repo.du(ref, name + "/")}
+                               for name in ("model", "optimizer")}
+    parts = {name: by_id for name, by_id in parts.items() if any(r.logical_bytes for r in by_id.values())}
     if as_json:
-        _json([r.to_dict() for r in rows])
+        _json([{**r.to_dict(), **{f"{name}_cumulative_ratio": by_id[r.snapshot].cumulative_ratio
+                                  for name, by_id in parts.items()}} for r in rows])
         return
-    table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio", "overall")
+    labels = {"model": "weights overall", "optimizer": "optimizer overall"}
+    table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio", "overall",
+                  *(labels[name] for name in parts))
     for r in rows:
         _row(table, r.snapshot[:12], r.step if r.step is not None else "-", _size(r.logical_bytes),
              _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
-             _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio))
+             _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio),
+             *(_ratio(by_id[r.snapshot].cumulative_ratio) for by_id in parts.values()))
     out.print(table)
 
 
@@ -909,13 +956,14 @@ def demo(
         _json(dataclasses.asdict(result))
         return
     table = Table("step", "bins", "prune", "protect", "search", "evals", "weights", "w. ratio",
-                  "+optimizer", "state ratio", "accuracy")
+                  "moments", "m. ratio", "state", "state ratio", "accuracy")
     for r in result.rows:
         c = r["config"] or {}
         _row(table, r["step"], c.get("bins", "lossless"),
              f"{c['prune']:.0%} {c['prune_metric'][:3]}" if c else "-",
              f"{c['protect']:.2%}" if c else "-", r["search"] or "-", r["evaluations"],
              _size(r["model_stored_bytes"]), _ratio(r["model_ratio"]),
+             _size(r["optimizer_stored_bytes"]), _ratio(r["optimizer_ratio"]),
              _size(r["stored_bytes"]), _ratio(r["ratio"]),
              "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}")
     out.print(table)
@@ -923,8 +971,12 @@ def demo(
     total = result.logical_bytes / max(result.stored_bytes, 1)
     _say(out, f"model weights: {_size(result.model_stored_bytes)} stored for {_size(result.model_logical_bytes)}: ",
          (f"{weights:.1f}x", "bold"), " smaller end to end")
-    _say(out, f"whole training state (Adam moments kept lossless): {_size(result.stored_bytes)} for "
-              f"{_size(result.logical_bytes)}: ", (f"{total:.1f}x", "bold"))
+    moments = result.optimizer_logical_bytes / max(result.optimizer_stored_bytes, 1)
+    _say(out, f"Adam moments: {_size(result.optimizer_stored_bytes)} stored for "
+              f"{_size(result.optimizer_logical_bytes)}: ", (f"{moments:.1f}x", "bold"),
+         " smaller (each tensor checked by the update it drives)")
+    _say(out, f"whole training state: {_size(result.stored_bytes)} stored for "
+              f"{_size(result.logical_bytes)}: ", (f"{total:.1f}x", "bold"), " smaller end to end")
     _say(out, "accuracy restored from the last compressed checkpoint: ", (f"{result.restored_accuracy:.3f}", "bold"),
          f" (uncompressed run: {result.reference_accuracy:.3f})")
     if result.resumed_from_step is not None:

@@ -64,6 +64,8 @@ class DemoResult:
     stored_bytes: int
     model_logical_bytes: int
     model_stored_bytes: int
+    optimizer_logical_bytes: int
+    optimizer_stored_bytes: int
     train_s: float
     checkpoint_wait_s: float
     search_s: float
@@ -193,11 +195,12 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
     rows = []
     usage = {r.snapshot: r for r in repo.du()}
     weights = {r.snapshot: r for r in repo.du(prefix="model/")}
+    moments = {r.snapshot: r for r in repo.du(prefix="optimizer/")}
     _, _, xte, yte = load_digits_split()
     restored = make_model()
     for info in reversed(repo.log()):
         q = QuantizationRecord.from_dict(info.metadata["quantization"])  # every demo version has one
-        u, w = usage[info.id], weights[info.id]
+        u, w, m = usage[info.id], weights[info.id], moments[info.id]
         rows.append({"snapshot": info.id[:10], "step": info.step,
                      "config": None if q.config is None else q.config.to_dict(),
                      "search": None if q.search is None else q.search.mode,
@@ -205,11 +208,13 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
                      "stored_bytes": u.new_stored_bytes, "logical_bytes": u.logical_bytes,
                      "ratio": u.ratio, "deltas": u.delta_objects,
                      "model_stored_bytes": w.new_stored_bytes, "model_ratio": w.ratio,
+                     "optimizer_stored_bytes": m.new_stored_bytes, "optimizer_ratio": m.ratio,
                      "accuracy": _restored_accuracy(restored, repo, info.id, xte, yte),
                      "live_accuracy": info.metrics.get("live_accuracy"), "baseline": q.baseline_quality})
     restored.load_state_dict(load_state(repo, "main", prefix="model"))
-    last, last_weights = repo.du()[-1], repo.du(prefix="model/")[-1]
-    return DemoResult(rows, stats["accuracy"], reference["accuracy"], _accuracy(restored, xte, yte), last.cumulative_logical_bytes,
-                      last.cumulative_stored_bytes, last_weights.cumulative_logical_bytes,
-                      last_weights.cumulative_stored_bytes, stats["train_s"], stats["wait_s"],
+    last, last_weights, last_moments = repo.du()[-1], repo.du(prefix="model/")[-1], repo.du(prefix="optimizer/")[-1]
+    return DemoResult(rows, stats["accuracy"], reference["accuracy"], _accuracy(restored, xte, yte),
+                      last.cumulative_logical_bytes, last.cumulative_stored_bytes, last_weights.cumulative_logical_bytes,
+                      last_weights.cumulative_stored_bytes, last_moments.cumulative_logical_bytes,
+                      last_moments.cumulative_stored_bytes, stats["train_s"], stats["wait_s"],
                       stats.get("search_s", 0.0), int(stats["resumed_from"]) if stats["resumed_from"] >= 0 else None)

@@ -122,19 +122,42 @@ def infer_module_kinds(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
     return kinds
 
 
-def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, **commit: Any) -> Any:
+def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, moments: Any = None,
+               **commit: Any) -> Any:
     """Commit a nested training state (e.g. ``{"model": sd, "optimizer": osd}``) as one version.
 
     A ``QuantConfig`` applies ``embedding_bins`` to the tensors :func:`infer_module_kinds`
-    names embedding tables (there are no module objects to ask)."""
+    names embedding tables (there are no module objects to ask). ``moments`` (a
+    :class:`~inshrink_store.policy.moments.MomentPolicy`) compresses the optimizer's Adam
+    moments, betas and eps read from its ``param_groups``; the outcome goes into the
+    version's ``metadata["moments"]`` (without a model to ask, no joint pruning)."""
     from inshrink_store.policy import QuantConfig, StatePlanner
+    from inshrink_store.torch.optim import adam_hyper
 
     if not isinstance(state, Mapping):
         raise FormatError(f"Expected a dict of state (e.g. {{'model': ...}}). Got {type(state).__name__}.")
     arrays, dtypes, skeleton = state_to_arrays(dict(state))
     if isinstance(quantize, QuantConfig):
         quantize = StatePlanner(quantize, module_kinds=infer_module_kinds(arrays))
+    if moments is not None:
+        made = moments.plan(arrays, dtypes, {}, hyper=adam_hyper(state.get("optimizer")))
+        metadata = dict(commit.pop("metadata", None) or {})
+        metadata["moments"] = made.record.to_dict()
+        commit["metadata"] = metadata
+        quantize = made if quantize is None else _Both(made, quantize)
     return repo.save(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=quantize, **commit)
+
+
+class _Both:
+    """Two planners as one: the first's plans win, the second's stay lazy (ChainMap)."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def plan(self, tensors: Any, dtypes: Any, previous: Any) -> Any:
+        from collections import ChainMap
+
+        return ChainMap(self.first.plan(tensors, dtypes, previous), self.second.plan(tensors, dtypes, previous))
 
 
 def load_state(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None) -> Any:
@@ -278,10 +301,11 @@ def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     )
 
 
-def import_file(repo: Any, path: str | os.PathLike[str], *, quantize: Any = None,
+def import_file(repo: Any, path: str | os.PathLike[str], *, quantize: Any = None, moments: Any = None,
                 progress: Callable[[str, int, int], None] | None = None, **commit: Any) -> Any:
     """Import a checkpoint file as the next version (``inshrink import``)."""
-    return save_state(repo, load_checkpoint_file(path), quantize=quantize, progress=progress, **commit)
+    return save_state(repo, load_checkpoint_file(path), quantize=quantize, moments=moments, progress=progress,
+                      **commit)
 
 
 def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
