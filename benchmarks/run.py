@@ -7,7 +7,8 @@ Sections: the lossless store vs torch.save and safetensors; quantization vs int8
 and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory); the
 delta codec's throughput; a
 real training run checkpointing into the store (with and without regrouping and
-deltas). The entropy-coder study has its own command (``bench_entropy_coders.py``)
+deltas); the whole training state with Adam's moments compressed vs lossless, and
+training resumed from compressed moments (a plot in docs/img/). The entropy-coder study has its own command (``bench_entropy_coders.py``)
 and page (``docs/understanding/deltas.md``): it is research, not a target.
 Timings are wall clock on whatever machine runs this; the page records which.
 """
@@ -27,6 +28,7 @@ STARTED = time.perf_counter()  # before the benchmark modules (and torch) are im
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_delta  # noqa: E402
+import bench_moments  # noqa: E402
 import bench_quantization  # noqa: E402
 import bench_store  # noqa: E402
 import bench_training  # noqa: E402
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
          lambda: bench_delta.to_markdown(bench_delta.run(quick=args.quick))),
         ("A training run checkpointing into the store", "training run",
          lambda: bench_training.to_markdown(bench_training.run(quick=args.quick))),
+        ("The whole training state: Adam moments compressed", "moments",
+         lambda: bench_moments.markdown(quick=args.quick)),
     ]
     for title, label, step in steps:
         t0 = time.perf_counter()

@@ -84,7 +84,10 @@ def _restored_accuracy(model: Any, repo: Any, ref: str, x: Any, y: Any) -> float
 
 
 def train(steps: int, every: int | None, repo: Any, fail_at: int | None, tolerance: float,
-          progress: Callable[[str], None] | None = None) -> tuple[Any, dict[str, float]]:
+          progress: Callable[[str], None] | None = None,
+          optimizer: str = "compressed") -> tuple[Any, dict[str, float]]:
+    """Train the demo model; with ``repo``, checkpoint every ``every`` steps (``optimizer``:
+    how the Adam moments are stored, "compressed" or "lossless") and fail once at ``fail_at``."""
     torch.manual_seed(0)
     xtr, ytr, xte, yte = load_digits_split()
     model = make_model()
@@ -93,7 +96,7 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
     ck = None
     if repo is not None:
         ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
-                          policy=SearchPolicy(tolerance=tolerance), ema_batches=min(50, every or 50))
+                          policy=SearchPolicy(tolerance=tolerance, optimizer=optimizer), ema_batches=min(50, every or 50))
     gen = torch.Generator().manual_seed(1)
     stats = {"train_s": 0.0, "wait_s": 0.0, "resumed_from": -1}
     step = 0
@@ -119,7 +122,7 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
             ck.close()
             ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
-                              policy=SearchPolicy(tolerance=tolerance), ema_batches=min(50, every or 50))
+                              policy=SearchPolicy(tolerance=tolerance, optimizer=optimizer), ema_batches=min(50, every or 50))
             step = ck.restore("main") or 0
             stats["resumed_from"] = step
             fail_at = None  # fail once: the resumed run passes this step again
@@ -179,10 +182,12 @@ def prepare_demo_store(url: str) -> None:
 
 
 def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fail_at: int | None = 430,
-             tolerance: float = 0.02, fresh: bool = True, progress: Callable[[str], None] | None = None) -> DemoResult:
+             tolerance: float = 0.02, fresh: bool = True, progress: Callable[[str], None] | None = None,
+             optimizer: str = "compressed") -> DemoResult:
     """Train, checkpoint, fail, resume and report. ``fresh`` replaces a previous demo store at
     ``url`` (never anything else: see :func:`prepare_demo_store`); without it the demo adds
-    versions to whatever store is there."""
+    versions to whatever store is there. ``optimizer``: "compressed" (the default) or
+    "lossless" Adam moments."""
     if fresh:
         prepare_demo_store(url)
     repo = ins.open(url, create=True)
@@ -191,7 +196,7 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
     if progress:
         progress(f"training {steps} steps, checkpoint every {every} into {url} ...")
     _, reference = train(steps, None, None, None, tolerance)
-    model, stats = train(steps, every, repo, fail_at, tolerance, progress)
+    model, stats = train(steps, every, repo, fail_at, tolerance, progress, optimizer)
     rows = []
     usage = {r.snapshot: r for r in repo.du()}
     weights = {r.snapshot: r for r in repo.du(prefix="model/")}
