@@ -168,8 +168,9 @@ class Repository:
 
     # -- history -----------------------------------------------------------------------
     def snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        """One version's record (parent, time, message, step, metrics, metadata)."""
-        return self._parts.history.get(snapshot_id)
+        """One version's record (parent, time, message, step, metrics, metadata); like every
+        reading method it takes any ref (a snapshot id, branch, tag or ``"main~1"``)."""
+        return self._parts.history.get(self._parts.resolve(snapshot_id))
 
     def snapshot_ids(self) -> list[str]:
         """Every snapshot in the store, reachable from a ref or not."""

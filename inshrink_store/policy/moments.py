@@ -273,6 +273,7 @@ def quantize_exp_avg_sq(v: np.ndarray, levels: int, dtype: str, importance: np.n
     positive = np.isfinite(v) & (v > 0)
     logs = np.log2(v[positive].astype(np.float64))
     out = np.array(v, dtype=np.float32, copy=True)
+    out[out == 0] = 0.0  # -0.0 too: the codec stores it as the 0.0 centre, so plan what it reads back
     codebook = [0.0] if (v == 0).any() else []
     if logs.size:
         weights = np.ones(logs.size) if importance is None else importance[positive].astype(np.float64)
@@ -357,8 +358,7 @@ class MomentRecord:
             if not isinstance(entry, Mapping) or entry.get("storage") not in ("quantized", "lossless"):
                 raise FormatError(f"Expected moments record entry {prefix!r} with storage 'quantized' or "
                                   f"'lossless'. Got {entry!r:.120} instead.")
-            known = MomentTensorRecord.__dataclass_fields__
-            tensors[str(prefix)] = MomentTensorRecord(**{k: v for k, v in entry.items() if k in known})
+            tensors[str(prefix)] = _tensor_record(str(prefix), entry)
         skipped = data.get("skipped")
         return cls(None if policy is None else MomentPolicy.from_dict(policy), tensors,
                    None if skipped is None else str(skipped))
@@ -371,6 +371,31 @@ class MomentRecord:
         return {"quantized": len(quantized), "lossless": len(self.tensors) - len(quantized),
                 "min_update_cosine": min(cosines) if cosines else None,
                 "max_update_rel_error": max(errors) if errors else None, "skipped": self.skipped}
+
+
+_RECORD_FIELDS: dict[str, Any] = {
+    "update_cosine": _is_number, "update_rel_error": lambda v: isinstance(v, (int, float)) and not
+    isinstance(v, bool) and v >= 0, "exp_avg_levels": _is_int, "exp_avg_sq_levels": _is_int,
+    "pruned_fraction": lambda v: _is_number(v) and 0 <= v <= 1, "attempts": lambda v: _is_int(v) and v >= 0,
+    "reason": lambda v: isinstance(v, str),
+}
+
+
+def _tensor_record(prefix: str, entry: Mapping[str, Any]) -> MomentTensorRecord:
+    """One entry of ``metadata["moments"]["tensors"]``, every field checked."""
+    fields: dict[str, Any] = {"storage": entry["storage"]}
+    for key, value in entry.items():
+        if key == "storage":
+            continue
+        check = _RECORD_FIELDS.get(str(key))
+        if check is None:
+            raise FormatError(f"Expected only the fields {['storage', *_RECORD_FIELDS]} in moments record "
+                              f"entry {prefix!r}. Got unknown {str(key)!r} instead.")
+        if not check(value):
+            raise FormatError(f"Expected moments record entry {prefix!r} field {key!r} of the documented "
+                              f"kind (see docs/reference/format.md). Got {value!r:.80} instead.")
+        fields[str(key)] = value
+    return MomentTensorRecord(**fields)
 
 
 class MomentPlans(Mapping[str, ArrayPlan]):
@@ -449,10 +474,12 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
         prev_v = previous.get(v_path, {}).get("codec", {}).get("codebook")
         chosen = _guarded(policy, m, v, exact, h, weight_pruned, dtype, prev_v)
         if chosen is None:
+            usable = bool((np.isfinite(v) & (v >= 0)).any())
             records[prefix] = MomentTensorRecord(
-                "lossless", attempts=len(policy.attempts()),
+                "lossless", attempts=len(policy.attempts()) if usable else 0,
                 reason=(f"update drifted beyond cosine {policy.min_update_cosine} / error "
-                        f"{policy.max_update_error} at every setting tried"))
+                        f"{policy.max_update_error} at every setting tried" if usable else
+                        "exp_avg_sq has no finite value >= 0 to build levels from"))
             continue
         (m_q, m_cb), (v_q, v_cb), record = chosen
         figures = {"moment": M_KEY, "update_cosine": record.update_cosine,
@@ -499,7 +526,7 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
             record = MomentTensorRecord(
                 "quantized", update_cosine=round(cosine, 6), update_rel_error=round(error, 6),
                 exp_avg_levels=int(m_cb.size), exp_avg_sq_levels=int(v_cb.size),
-                pruned_fraction=round(float(drop.mean()), 6) if drop.size else 0.0, attempts=n)
+                pruned_fraction=round(float((drop & (m != 0)).mean()), 6) if drop.size else 0.0, attempts=n)
             return (m_q, m_cb), (v_q, v_cb), record
     return None
 
