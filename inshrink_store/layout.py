@@ -32,6 +32,7 @@ TAGS = "refs/tags"
 SNAPSHOTS = "snapshots"
 TREES = "trees"
 OBJECTS = "objects"
+RESIDUALS = "residuals"
 LEASES = "leases"
 WRITER_LEASES = f"{LEASES}/writers"
 FENCES = f"{LEASES}/fences"
@@ -78,6 +79,11 @@ def tree_path(tree_id: str) -> str:
     return _fanned(TREES, check_id(tree_id, "tree", "a tree reference"))
 
 
+def residual_path(residual_id: str) -> str:
+    """Where restore residual document ``residual_id`` lives."""
+    return _fanned(RESIDUALS, check_id(residual_id, "residual", "a residual reference"))
+
+
 def snapshot_path(snapshot_id: str) -> str:
     """Where snapshot ``snapshot_id`` lives."""
     return f"{SNAPSHOTS}/{check_id(snapshot_id, 'snapshot', 'a snapshot reference')}"
@@ -120,11 +126,11 @@ def parse_tag_listing(paths: list[str]) -> list[str]:
 
 
 def classify(path: str) -> tuple[str, str] | None:
-    """A listed path -> (kind, id) for snapshots, trees and objects; None for anything else."""
+    """A listed path -> (kind, id) for snapshots, trees, objects and residuals; None for anything else."""
     kind, _, rest = path.partition("/")
     if kind == SNAPSHOTS and ID_PATTERN.fullmatch(rest):
         return kind, rest
-    if kind in (TREES, OBJECTS):
+    if kind in (TREES, OBJECTS, RESIDUALS):
         ident = rest.replace("/", "")
         if ID_PATTERN.fullmatch(ident) and rest == f"{ident[:2]}/{ident[2:]}":
             return kind, ident

@@ -18,15 +18,22 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store import admin, leases
+from inshrink_store import admin, leases, residual
 from inshrink_store.cas import DEFAULT_KEYFRAME_INTERVAL, ObjectStore
-from inshrink_store.errors import AlreadyExistsError, FormatError, IntegrityError
+from inshrink_store.errors import (
+    AlreadyExistsError,
+    FormatError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+)
 from inshrink_store.history import History, SnapshotInfo
 from inshrink_store.layout import CONFIG_FILE
 from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit_fields, utc_now
 from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
 from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name
+from inshrink_store.residual import Residual, ResidualRef
 from inshrink_store.session import Planner, WriteSession, check_planner, open_session
 from inshrink_store.storage import Storage
 from inshrink_store.zarr_store import InshrinkStore
@@ -186,6 +193,19 @@ class Repository:
         read until you index it."""
         return self._parts.checkout(ref)
 
+    def residual(self, ref: str = DEFAULT_BRANCH) -> Residual | None:
+        """The restore residual of a version (what turns its quantized tensors back into the
+        exact bits), or None: it was saved without one, or is no longer among the newest
+        versions of its branch and gc collected it."""
+        info = self.snapshot(ref)
+        found = ResidualRef.from_metadata(info.metadata, info.id)
+        if found is None:
+            return None
+        try:
+            return Residual(self._parts.objects, found, residual.load(self._parts.storage, found.id))
+        except NotFoundError:
+            return None
+
     def snapshot_store(self, ref: str = DEFAULT_BRANCH) -> InshrinkStore:
         """A read-only zarr Store of one version: ``zarr.open_group(store=...)`` just works."""
         return self.checkout(ref).store
@@ -224,19 +244,29 @@ class Repository:
         progress: Progress | None = None,
         gc_wait: float = GC_WAIT,
         on_wait: Callable[[str], None] | None = None,
+        exact_resume: int = 0,
     ) -> SnapshotInfo:
         """Commit ``tensors`` (array path -> array) as the next version of ``branch``.
 
         ``dtypes`` names logical dtypes the array cannot carry (``"BF16"`` for uint16 bits);
         ``quantize`` (e.g. a policy ``QuantConfig``) plans lossy storage per tensor.
+        ``exact_resume`` N > 0 also stores the restore residual of every quantized tensor,
+        kept while this version is among the N newest of its branch (then gc collects it):
+        ``load_state(..., exact=True)`` and ``Checkpointer.restore`` return the exact bits.
         Message, step, metrics and metadata are checked before anything is written; a running
         gc is waited for up to ``gc_wait`` seconds.
         """
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
         check_planner(quantize)
+        if not isinstance(exact_resume, int) or isinstance(exact_resume, bool) or exact_resume < 0:
+            raise InvalidInputError(
+                f"Expected exact_resume to be an int >= 0 (newest versions kept bit-exact; 0: none). Got "
+                f"{exact_resume!r} instead.")
         with self.transaction(branch, parent=parent, inherit=False, gc_wait=gc_wait, on_wait=on_wait) as tx:
-            tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress)
-            return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase)
+            tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress,
+                     residual=exact_resume > 0)
+            return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase,
+                             keep_residual=max(exact_resume, 1))
 
     # -- admin (implemented in inshrink_store.admin) ----------------------------------------
     def diff(self, ref_a: str, ref_b: str, *, values: bool = False,

@@ -18,12 +18,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from inshrink_store import dtypes as dtype_registry
 from inshrink_store import leases
 from inshrink_store.errors import ConflictError, InvalidInputError
 from inshrink_store.history import SnapshotInfo
 from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parts import StoreParts
+from inshrink_store.residual import META_KEY, ResidualWriter
 from inshrink_store.writer import ArrayPlan, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
@@ -51,6 +53,39 @@ def check_planner(quantize: Any) -> None:
         )
 
 
+class _Recording(Mapping[str, ArrayPlan]):
+    """A planner's plans that hand each plan, as the writer takes it, to the residual."""
+
+    def __init__(self, plans: Mapping[str, ArrayPlan], tensors: Mapping[str, np.ndarray],
+                 dtypes: Mapping[str, str], residual: ResidualWriter) -> None:
+        self._plans, self._tensors, self._dtypes, self._residual = plans, tensors, dtypes, residual
+
+    def __getitem__(self, path: str) -> ArrayPlan:
+        plan = self._plans[path]
+        original = np.asarray(self._tensors[path])
+        name = dtype_registry.of_array(original, self._dtypes.get(path), path).name
+        self._residual.add(path, original, np.asarray(plan.values), name)
+        return plan
+
+    def __iter__(self) -> Any:
+        return iter(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._plans
+
+
+class _RecordingPlanner:
+    def __init__(self, planner: Planner, residual: ResidualWriter) -> None:
+        self._planner, self._residual = planner, residual
+
+    def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
+        return _Recording(self._planner.plan(tensors, dtypes, previous), tensors, dtypes, self._residual)
+
+
 class WriteSession:
     """One write session: a writable zarr store (``.store``) over the parent's chunks."""
 
@@ -59,6 +94,7 @@ class WriteSession:
         self._parts = parts
         self.branch, self.head_seq, self.parent, self.inherit = branch, head_seq, parent, inherit
         self.parent_view = parent_view
+        self.residual: ResidualWriter | None = None
         #: this writer's lease: held from before the head was read until commit or abort
         self.lease: leases.HeldLease | None = lease
         self.committed: SnapshotInfo | None = None
@@ -89,11 +125,19 @@ class WriteSession:
         dtypes: Mapping[str, str] | None = None,
         quantize: Planner | None = None,
         progress: Progress | None = None,
+        residual: bool = False,
     ) -> None:
-        """Write tensors (array path -> array) into this version; objects are stored now."""
+        """Write tensors (array path -> array) into this version; objects are stored now.
+
+        ``residual``: also store what turns every quantized tensor back into its exact bits
+        (the restore residual; :meth:`commit` names it in the version's metadata)."""
         self._require_open()
         check_planner(quantize)
         previous = previous_codecs(self.parent_view) if quantize is not None else {}
+        if residual and quantize is not None:
+            if self.residual is None:
+                self.residual = ResidualWriter(self._parts.objects)
+            quantize = _RecordingPlanner(quantize, self.residual)
         write_arrays(self.store, tensors, attributes=attributes, dtypes=dtypes,
                      planner=quantize, previous=previous, progress=progress)
 
@@ -104,14 +148,23 @@ class WriteSession:
         metrics: Mapping[str, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
         rebase: bool = False,
+        keep_residual: int = 1,
     ) -> SnapshotInfo:
         """Publish this version as the next of its branch; ``rebase`` retries on top of a
-        head another writer moved (a partial update is replayed per zarr node)."""
+        head another writer moved (a partial update is replayed per zarr node).
+
+        A residual written with ``write(residual=True)`` is stored now, before the snapshot
+        that names it, and kept while this version is among the ``keep_residual`` newest of
+        its branch."""
         if self.committed is not None:
             raise ConflictError("Expected an open transaction. Got one already committed instead.")
         lease = self._require_open()
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
         storage = self._parts.storage
+        if self.residual is not None:
+            ref = self.residual.write(storage, keep_residual)
+            if ref is not None:
+                metadata = {**metadata, META_KEY: ref.to_dict()}
         root = self._write_trees(self.view)
         snap = Snapshot(root=root.id, parent=self.parent, time=utc_now(), message=message,
                         step=step, metrics=metrics, metadata=metadata)

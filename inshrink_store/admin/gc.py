@@ -16,6 +16,7 @@ from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputErro
 from inshrink_store.layout import (
     BRANCHES,
     OBJECTS,
+    RESIDUALS,
     SNAPSHOTS,
     TREES,
     branch_ref_path,
@@ -83,7 +84,7 @@ class GarbageCollector:
         if not dry_run:
             self._check_lease("marking")
         self.report = _plan(self.parts, self.keep_last, self.dead, dry_run=dry_run, stale_after=self.stale_after)
-        self._queue = [p for group in ("refs", "snapshots", "trees", "objects", "temp", "leases")
+        self._queue = [p for group in ("refs", "snapshots", "trees", "residuals", "objects", "temp", "leases")
                        for p in self.report.deleted[group]]
         return self.report
 
@@ -156,7 +157,7 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
             keep_objects.add(oid)
     storage = parts.storage
     listing = storage.list("")
-    deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "objects": []}
+    deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "residuals": [], "objects": []}
     garbage_objects: list[str] = []
     for path in listing:
         found = classify(path)
@@ -167,6 +168,8 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
             deleted["snapshots"].append(path)
         elif kind == TREES and ident not in live.trees:
             deleted["trees"].append(path)
+        elif kind == RESIDUALS and ident not in live.residuals:
+            deleted["residuals"].append(path)
         elif kind == OBJECTS and ident not in keep_objects:
             garbage_objects.append(ident)
     deleted["objects"] = [object_path(oid) for oid in _deltas_first(parts, garbage_objects)]

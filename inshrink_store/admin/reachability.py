@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from inshrink_store import residual
 from inshrink_store.errors import InshrinkError
 from inshrink_store.index import load_node, load_root
 from inshrink_store.parts import StoreParts
+from inshrink_store.residual import ResidualRef
 
 Progress = Callable[[str, int, int], None]
 
@@ -17,6 +19,8 @@ class Reachable:
     snapshots: set[str] = field(default_factory=set)
     trees: set[str] = field(default_factory=set)
     objects: dict[str, set[tuple[str, str]]] = field(default_factory=dict)  # oid -> {(snap, tensor)}
+    #: restore residual documents kept (their pieces are in ``objects``), by snapshot
+    residuals: dict[str, str] = field(default_factory=dict)  # residual id -> snapshot id
     #: refs whose snapshot is missing ("tag best -> 1f2e..."): reported, never fatal
     dangling: list[str] = field(default_factory=list)
 
@@ -83,4 +87,37 @@ def reachable(parts: StoreParts, keep_last: int | None = None, progress: Progres
                 out.objects.setdefault(oid, set()).add((sid, path))
         if progress:
             progress(sid, i + 1, len(out.snapshots))
+    for rid, sid in kept_residuals(parts, out.snapshots).items():
+        out.residuals[rid] = sid
+        try:
+            arrays = residual.load(parts.storage, rid)
+        except InshrinkError:
+            continue  # missing or damaged: verify reports it; gc keeps the id and moves on
+        for path, array in arrays.items():
+            for oid in array.pieces:
+                out.objects.setdefault(oid, set()).add((sid, f"residual of {path}"))
+    return out
+
+
+#: how far below a branch head gc looks for versions that keep their restore residual
+RESIDUAL_HORIZON = 1024
+
+
+def kept_residuals(parts: StoreParts, kept: set[str]) -> dict[str, str]:
+    """Residual id -> snapshot for every kept version among the ``keep_newest`` newest of a
+    branch (each version says its own ``keep_newest``). Tags keep a version, not its residual."""
+    out: dict[str, str] = {}
+    for head in parts.refs.branches().values():
+        current: str | None = head
+        distance = 0
+        while current is not None and current in kept and distance < RESIDUAL_HORIZON:
+            try:
+                info = parts.history.get(current)
+                ref = ResidualRef.from_metadata(info.metadata, current)
+            except InshrinkError:
+                break
+            if residual.keeps(distance, ref):
+                assert ref is not None
+                out[ref.id] = current
+            current, distance = info.parent, distance + 1
     return out

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inshrink_store.admin.reachability import snapshot_closure
+from inshrink_store import residual
+from inshrink_store.admin.reachability import kept_residuals, snapshot_closure
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import InshrinkError
 from inshrink_store.parts import StoreParts
@@ -66,6 +67,13 @@ def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
             reader.arrays()  # every zarr.json parses and fits its chunks
         except InshrinkError as exc:
             problems.append(Problem("tree", sid, str(exc)))
+    for rid, sid in kept_residuals(parts, snapshots).items():  # the newest versions' restore residuals
+        try:
+            for path, array in residual.load(parts.storage, rid).items():
+                for oid in array.pieces:
+                    users.setdefault(oid, set()).add((sid, f"residual of {path}"))
+        except InshrinkError as exc:
+            problems.append(Problem("residual", rid, str(exc), [(sid, "restore residual")]))
     deltas = 0
     for i, oid in enumerate(sorted(users)):
         try:

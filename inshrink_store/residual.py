@@ -1,0 +1,204 @@
+"""The restore residual: what turns a version's stored (quantized) tensors back into the exact bits.
+
+Why: a fault-tolerant restart only ever needs the newest version, and ten lossy restores
+in one run add up (each hands training a pruned, quantized model). So the newest N versions
+of a branch keep, beside their lossy arrays, the XOR of the true float bits against the
+bits the store returns for every quantized tensor. Restoring XORs it back: bit-exact. Older
+versions drop it (gc collects it), so history stays compact.
+
+It is a tier apart from the snapshot's arrays: zarr reads of a version keep returning the
+stored values; only :func:`apply` (``load_state(exact=True)``, ``Checkpointer.restore``)
+uses it. Layout, one canonical JSON document per version at ``residuals/<2 hex>/<30 hex>``
+(id = xxh3-128 of its bytes)::
+
+    {"format": 1, "arrays": {path: {"dtype": "F32", "shape": [..], "pieces": [object id, ...]}}}
+
+Each piece is a chunk object holding an ``inshrink.bytegroup`` encoding of up to
+:data:`PIECE_BYTES` of the flat XOR bits: in a well-quantized tensor the sign and exponent
+bytes mostly XOR to zero and code to almost nothing, the low mantissa bytes stay raw. The
+version's snapshot metadata names the document (``metadata["residual"]``, see
+:class:`ResidualRef`); the document and its pieces are written before the snapshot, under
+the writer's lease, so a version whose residual gc keeps never lacks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from inshrink_store import dtypes as dtype_registry
+from inshrink_store.cas import ObjectStore
+from inshrink_store.codecs.bytegroup import ByteGroup
+from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
+from inshrink_store.layout import check_id, residual_path
+from inshrink_store.manifest import canonical_json, content_id, parse_document
+from inshrink_store.storage import Storage
+
+PIECE_BYTES = 4 << 20
+META_KEY = "residual"
+#: logical dtype -> the bytegroup element dtype its bits are coded as
+CODED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The flat unsigned-integer bit patterns of ``values`` (a tensor carried as ``dtype``)."""
+    carrier = dtype_registry.get(dtype).carrier
+    data = np.ascontiguousarray(values, dtype=carrier).reshape(-1)
+    return data.view(np.dtype(f"<u{carrier.itemsize}"))
+
+
+@dataclass(frozen=True)
+class ResidualRef:
+    """What ``metadata["residual"]`` of a version says: the document ``id``, how many newest
+    versions of the branch keep theirs (``keep_newest``), and its ``stored_bytes``."""
+
+    id: str
+    keep_newest: int
+    stored_bytes: int
+    arrays: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "keep_newest": self.keep_newest, "stored_bytes": self.stored_bytes,
+                "arrays": self.arrays}
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], snapshot: str = "?") -> ResidualRef | None:
+        """The version's residual reference, None when it has none; a malformed one is an
+        IntegrityError naming the snapshot."""
+        raw = metadata.get(META_KEY)
+        if raw is None:
+            return None
+        where = f"metadata['residual'] of snapshot {snapshot[:12]}"
+        if not isinstance(raw, Mapping) or set(raw) != {"id", "keep_newest", "stored_bytes", "arrays"}:
+            raise IntegrityError(f"Expected {where} to hold id, keep_newest, stored_bytes and arrays. Got "
+                                 f"{raw!r:.120} instead.")
+        numbers = [raw["keep_newest"], raw["stored_bytes"], raw["arrays"]]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+            raise IntegrityError(f"Expected whole numbers >= 0 in {where}. Got {numbers} instead.")
+        return cls(check_id(raw["id"], "residual", where), *numbers)
+
+
+@dataclass(frozen=True)
+class ResidualArray:
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[str, ...]
+
+
+class ResidualWriter:
+    """Collects the residual of one write session, storing pieces as the arrays are written."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+        self.arrays: dict[str, ResidualArray] = {}
+        self.stored_bytes = 0
+
+    def add(self, path: str, original: np.ndarray, stored: np.ndarray, dtype: str) -> None:
+        """Record what turns ``stored`` back into ``original`` (same shape, carried as ``dtype``).
+        Only float dtypes have a residual; an exact tensor adds nothing."""
+        if dtype not in CODED or original.shape != stored.shape:
+            return
+        xor = np.bitwise_xor(_bits(original, dtype), _bits(stored, dtype))
+        if not xor.any():
+            return
+        codec = ByteGroup(dtype=CODED[dtype])
+        per_piece = max(1, PIECE_BYTES // xor.itemsize)
+        pieces = []
+        for start in range(0, xor.size, per_piece):
+            put = self.objects.put(codec.encode(xor[start:start + per_piece]))
+            self.stored_bytes += put.stored_bytes
+            pieces.append(put.oid)
+        self.arrays[path] = ResidualArray(dtype, tuple(original.shape), tuple(pieces))
+
+    def document(self) -> bytes:
+        return canonical_json({"format": 1, "arrays": {
+            p: {"dtype": a.dtype, "shape": list(a.shape), "pieces": list(a.pieces)}
+            for p, a in sorted(self.arrays.items())}})
+
+    def write(self, storage: Storage, keep_newest: int) -> ResidualRef | None:
+        """Store the document (before the snapshot that will name it); None if nothing differs."""
+        if not self.arrays:
+            return None
+        data = self.document()
+        rid = content_id(data)
+        if not storage.exists(residual_path(rid)):
+            storage.write(residual_path(rid), data)
+        self.stored_bytes += len(data)
+        return ResidualRef(rid, keep_newest, self.stored_bytes, len(self.arrays))
+
+
+def load(storage: Storage, rid: str) -> dict[str, ResidualArray]:
+    """The residual document ``rid``, every field checked (a store may be damaged or hostile)."""
+    try:
+        data = storage.read(residual_path(rid))
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"Expected the restore residual {rid} at {residual_path(rid)}. Got nothing there instead: "
+            "gc collected it (only the newest versions of a branch keep theirs).") from None
+    doc = parse_document(data, "residual", rid)
+    arrays = doc.get("arrays")
+    if set(doc) != {"format", "arrays"} or not isinstance(arrays, dict):
+        raise IntegrityError(f"Expected residual {rid} to hold format and arrays. Got keys {sorted(doc)} instead.")
+    out = {}
+    for path, entry in arrays.items():
+        where = f"residual {rid}, array {path!r}"
+        ok = (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "pieces"} and entry["dtype"] in CODED
+              and isinstance(entry["shape"], list)
+              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry["shape"])
+              and isinstance(entry["pieces"], list))
+        if not ok:
+            raise IntegrityError(f"Expected dtype, shape and pieces in {where}. Got {entry!r:.160} instead.")
+        pieces = tuple(check_id(oid, "object", where) for oid in entry["pieces"])
+        out[str(path)] = ResidualArray(entry["dtype"], tuple(entry["shape"]), pieces)
+    return out
+
+
+def apply(objects: ObjectStore, array: ResidualArray, stored: np.ndarray, path: str) -> np.ndarray:
+    """``stored`` (the values a reader returns for ``path``) with its residual XORed back: the
+    exact tensor, checked piece by piece (each bytegroup piece carries a checksum)."""
+    if tuple(stored.shape) != array.shape:
+        raise IntegrityError(f"Expected tensor {path!r} of shape {array.shape} for its residual. Got "
+                             f"{tuple(stored.shape)} instead.")
+    codec = ByteGroup(dtype=CODED[array.dtype])
+    bits = _bits(stored, array.dtype).copy()
+    offset = 0
+    for oid in array.pieces:
+        try:
+            piece = np.asarray(codec.decode(objects.get(oid))).view(bits.dtype).reshape(-1)
+        except FormatError as exc:
+            raise IntegrityError(f"Expected residual piece {oid} of {path!r} to decode. Got {exc} instead.") from None
+        if offset + piece.size > bits.size:
+            raise IntegrityError(f"Expected the residual pieces of {path!r} to cover {bits.size} elements. "
+                                 "Got more instead.")
+        bits[offset:offset + piece.size] ^= piece
+        offset += piece.size
+    if offset != bits.size:
+        raise IntegrityError(f"Expected the residual pieces of {path!r} to cover {bits.size} elements. Got "
+                             f"{offset} instead.")
+    carrier = dtype_registry.get(array.dtype).carrier
+    return bits.view(carrier).reshape(array.shape)
+
+
+class Residual:
+    """One version's restore residual, loaded: :meth:`exact` turns a stored tensor back into
+    its exact bits; tensors it does not name were stored exactly already."""
+
+    def __init__(self, objects: ObjectStore, ref: ResidualRef, arrays: Mapping[str, ResidualArray]) -> None:
+        self.objects, self.ref, self.arrays = objects, ref, dict(arrays)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.arrays
+
+    def exact(self, path: str, stored: np.ndarray) -> np.ndarray:
+        """``stored`` itself when ``path`` has no residual (it is exact), else the exact bits."""
+        if path not in self.arrays:
+            return stored
+        return apply(self.objects, self.arrays[path], stored, path)
+
+
+def keeps(distance: int, ref: ResidualRef | None) -> bool:
+    """Whether a version ``distance`` steps below its branch head keeps its residual."""
+    return ref is not None and distance < ref.keep_newest
