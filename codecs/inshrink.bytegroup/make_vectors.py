@@ -6,7 +6,8 @@ element carrier array (float32, float16, or uint16 bit patterns for bfloat16), e
 vectors with ``base.bin`` (encoded against a base chunk), whose ``input.npy`` is the uint8
 bytes of the chunk, as for every delta codec. A committed vector is never rewritten with
 different bytes: if the encoder's output changed, this script stops, because that is a
-format change (bump the format version and add new vectors instead).
+format change (bump the format version and add new vectors instead). Vectors named
+``v2-*`` are format 2 (coder ``zstd+huffman``); the others are format 1 (coder ``zstd``).
 
 Usage: ``python codecs/inshrink.bytegroup/make_vectors.py [--root DIR]`` (default: the
 repo's ``codecs/``; tests run it into a temporary folder and compare).
@@ -52,8 +53,13 @@ def write(root: Path, name: str, config: dict[str, Any], array: np.ndarray,
     return f"{name}: written ({len(encoded)} bytes)"
 
 
-def config(dtype: str, level: int = 3) -> dict[str, Any]:
-    return {"id": "inshrink.bytegroup", "coder": "zstd", "dtype": dtype, "level": level}
+def config(dtype: str, level: int = 3, coder: str = "zstd") -> dict[str, Any]:
+    return {"id": "inshrink.bytegroup", "coder": coder, "dtype": dtype, "level": level}
+
+
+def v2(dtype: str, level: int = 1) -> dict[str, Any]:
+    """Format 2: what the store writes (sign last, Huffman and packed planes)."""
+    return config(dtype, level, "zstd+huffman")
 
 
 def special_f32() -> np.ndarray:
@@ -82,7 +88,22 @@ def main(root: Path) -> list[str]:
     parent = weights(rng, 256)
     child = parent.copy()
     child[::7] += np.float32(1e-3)  # a few updated weights: most planes XOR to zeros
+    rng2 = np.random.default_rng(2027)  # format 2 inputs: drawn after, so format 1's stay put
+    packed = weights(rng2, 3000)
+    packed[::9] = 0.0
+    packed[5::17] = np.float32(3e38)  # rare exponents: escapes of the packed exponent plane
+    few_bits = (weights(rng2, 2000).view(np.uint32) & np.uint32(0xFFFFFF80)).view(np.float32)
+    child2 = packed.copy()
+    child2[::11] += np.float32(1e-3)
     return [
+        write(root, "v2-float32-special", v2("float32"), f32),
+        write(root, "v2-float16-special", v2("float16"), f16),
+        write(root, "v2-bfloat16-special", v2("bfloat16"), bf16),
+        write(root, "v2-float32-packed-escapes", v2("float32"), packed),
+        write(root, "v2-bfloat16-packed", v2("bfloat16", 3), dtypes.float32_to_bf16(packed)),
+        write(root, "v2-float32-one-bit-plane", v2("float32"), few_bits),
+        write(root, "v2-empty", v2("float32"), np.zeros(0, np.float32)),
+        write(root, "v2-float32-xor-base", v2("float32"), child2, base=packed),
         write(root, "float32-special", config("float32"), f32),
         write(root, "float16-special", config("float16"), f16),
         write(root, "bfloat16-special", config("bfloat16"), bf16),

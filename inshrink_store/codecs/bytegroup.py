@@ -1,26 +1,40 @@
 """``inshrink.bytegroup``: lossless float codec that entropy-codes each byte plane on its own.
 
-Why: in trained float weights the byte holding the sign and the high exponent bits takes
-few values (it compresses several times over), while the low mantissa bytes are close to
-uniformly random (they barely compress at all). Mixing them in one stream, as plain zstd
-does, hides the structure; Blosc's shuffle separates the planes but codes them in small
-blocks with one setting. Here each element's bytes are split by significance into
-``itemsize`` planes (plane 0 is the most significant byte), and each plane is stored the
-cheapest of three ways, chosen per chunk and recorded in the header: raw, one zstd frame,
-or one zstd frame of the plane XOR the same plane of a *base* (the parent version's chunk
-of the same tensor, passed as ``base=`` like ``inshrink.vdelta``). Raw costs nothing to
-decode, which is what the near-random planes want.
+Why: in trained float weights the byte holding the high exponent bits takes few values
+(it compresses several times over), while the low mantissa bytes are close to uniformly
+random (they barely compress at all). Mixing them in one stream, as plain zstd does, hides
+the structure; Blosc's shuffle separates the planes but codes them in small blocks with
+one setting. Here each element's bytes are split by significance into ``itemsize`` planes
+(plane 0 is the most significant byte), and each plane is stored the cheapest way,
+chosen per chunk and recorded in the chunk's plane table.
 
-Deterministic: each plane is its own single-threaded zstd frame at the configured level,
-so the bytes depend on the input (and base) only, never on threads or timing.
+Two formats, picked by the ``coder`` setting:
+
+- ``"zstd+huffman"`` (format 2, what the store writes): for float32 and bfloat16 the sign
+  bit is first moved below the mantissa, so plane 0 is exactly the 8-bit exponent; each
+  plane is raw, zstd, a Huffman code, or *packed* (ranks of its commonest values, see
+  :mod:`inshrink_store.codecs._planes`), whichever is smallest.
+- ``"zstd"`` (format 1, the first version): sign in place, each plane raw or zstd.
+
+Either can also code a plane as the XOR with the same plane of a *base* (the parent
+version's chunk of the same tensor, passed as ``base=`` like ``inshrink.vdelta``).
+Decoding reads both formats, whatever the configured coder.
+
+Deterministic: every coder is single-threaded with fixed settings, so the bytes depend on
+the input (and base, level and library versions) only, never on threads or timing.
 The header carries the xxh3-64 of the decoded data (checked on every decode) and, when a
 plane uses the base, the base's xxh3-64 (a wrong base is an :class:`IntegrityError`).
-Byte layout and change log: ``codecs/inshrink.bytegroup/README.md``.
+The zarr v3 front end, :class:`ByteGroupZarrCodec`, is a bytes-to-bytes codec after
+zarr's ``bytes`` codec; it codes chunks on worker threads, so the chunks of one array
+are encoded in parallel. Byte layout and change log: ``codecs/inshrink.bytegroup/README.md``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import struct
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -29,21 +43,28 @@ import zstandard
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
+from zarr.abc.codec import BytesBytesCodec
+from zarr.core.buffer import Buffer
+from zarr.core.common import parse_named_configuration
+from zarr.registry import register_codec as register_zarr_codec
 
-from inshrink_store.codecs import _zstd
+from inshrink_store import dtypes
+from inshrink_store.codecs import _planes
 from inshrink_store.errors import FormatError, IntegrityError
 
 CODEC_ID = "inshrink.bytegroup"
 MAGIC = b"IBG\x01"
-VERSION = 1
-#: element dtype name -> (code in the header, little-endian carrier dtype)
-DTYPES: dict[str, tuple[int, np.dtype[Any]]] = {
-    "float32": (0, np.dtype("<f4")),
-    "float16": (1, np.dtype("<f2")),
-    "bfloat16": (2, np.dtype("<u2")),  # bit patterns: numpy has no bfloat16
-}
-DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
-CODERS = {"zstd": 1}
+#: format written per coder; decoding reads every version in VERSIONS
+VERSION_OF_CODER = {"zstd": 1, "zstd+huffman": 2}
+VERSIONS = (1, 2)
+VERSION = max(VERSIONS)
+CODERS = tuple(VERSION_OF_CODER)
+#: element dtype name -> code in the chunk header (the carrier comes from the dtype registry)
+DTYPE_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2}
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+ELEMENT_DTYPES = tuple(DTYPE_CODES)
+#: format 2 moves the sign bit below the mantissa where that makes plane 0 the exponent
+SIGN_LAST_DTYPES = ("float32", "bfloat16")
 # magic, version, dtype code, flags, plane count, n, xxh3-64(decoded), xxh3-64(base)
 HEADER = struct.Struct("<4sBBBBQQQ")
 HEADER_SIZE = HEADER.size  # 32
@@ -51,12 +72,24 @@ HEADER_SIZE = HEADER.size  # 32
 PLANE = struct.Struct("<BQ")
 PLANE_SIZE = PLANE.size  # 9
 FLAG_BASE = 1  # some plane is XORed with the base
-KNOWN_FLAGS = FLAG_BASE
-#: plane methods: bit 0 = zstd frame (else raw), bit 1 = XOR with the base's plane
+FLAG_SIGN_LAST = 2  # format 2: the sign bit was rotated to bit 0 before splitting
+KNOWN_FLAGS = {1: FLAG_BASE, 2: FLAG_BASE | FLAG_SIGN_LAST}
+#: plane methods: 0 raw, 1 zstd, 2/3 raw/zstd of the XOR with the base's plane;
+#: format 2 adds 4 Huffman (raw deflate) and 5 packed (codecs/inshrink.bytegroup/README.md)
 RAW, ZSTD, XOR_RAW, XOR_ZSTD = 0, 1, 2, 3
-METHODS = (RAW, ZSTD, XOR_RAW, XOR_ZSTD)
-METHOD_ZSTD, METHOD_XOR = 1, 2
+HUFFMAN, PACKED = _planes.HUFFMAN, _planes.PACKED
+METHODS_OF_VERSION = {1: (RAW, ZSTD, XOR_RAW, XOR_ZSTD), 2: (RAW, ZSTD, XOR_RAW, XOR_ZSTD, HUFFMAN, PACKED)}
+METHODS = METHODS_OF_VERSION[VERSION]
+#: the stream coder of each method; methods 2 and 3 XOR with the base
+CODER_OF_METHOD = {RAW: _planes.RAW, ZSTD: _planes.ZSTD, XOR_RAW: _planes.RAW, XOR_ZSTD: _planes.ZSTD,
+                   HUFFMAN: _planes.HUFFMAN, PACKED: _planes.PACKED}
+METHOD_XOR = 2
 CONFIG_KEYS = ("coder", "dtype", "level")
+
+
+def carrier(dtype: str) -> np.dtype[Any]:
+    """The little-endian numpy dtype an element of ``dtype`` travels as (registry carrier)."""
+    return dtypes.by_codec_name(dtype).carrier.newbyteorder("<")
 
 
 def _buffer(array: np.ndarray) -> bytes:
@@ -67,6 +100,20 @@ def _buffer(array: np.ndarray) -> bytes:
 
 def _bytes_view(buf: Any) -> np.ndarray:
     return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+
+
+def sign_last(data: np.ndarray, itemsize: int) -> np.ndarray:
+    """Bytes of little-endian words with each word rotated left by one bit (sign to bit 0)."""
+    word = np.dtype(f"<u{itemsize}")
+    u = data.view(word)
+    return ((u << word.type(1)) | (u >> word.type(8 * itemsize - 1))).astype(word).view(np.uint8)
+
+
+def sign_first(data: np.ndarray, itemsize: int) -> np.ndarray:
+    """Inverse of :func:`sign_last`."""
+    word = np.dtype(f"<u{itemsize}")
+    u = data.view(word)
+    return ((u >> word.type(1)) | (u << word.type(8 * itemsize - 1))).astype(word).view(np.uint8)
 
 
 def split_planes(data: np.ndarray, itemsize: int) -> list[np.ndarray]:
@@ -89,44 +136,97 @@ def _check_level(level: Any) -> int:
     return int(level)
 
 
+def _check_dtype(dtype: Any) -> str:
+    if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
+        raise FormatError(
+            f"Expected dtype one of {sorted(DTYPE_CODES)}. Got {dtype!r:.80} instead; bfloat16 "
+            "arrays are passed as uint16 bit patterns with dtype 'bfloat16'."
+        )
+    return dtype
+
+
+def _check_coder(coder: Any) -> str:
+    if not isinstance(coder, str) or coder not in CODERS:
+        raise FormatError(f"Expected coder one of {list(CODERS)}. Got {coder!r:.80} instead.")
+    return coder
+
+
+def check_keys(config: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """A configuration as keyword arguments: a dict with only ``allowed`` keys (FormatError
+    naming the first unknown one)."""
+    if not isinstance(config, dict):
+        raise FormatError(f"Expected the {CODEC_ID} configuration to be a dict. Got {config!r:.80} instead.")
+    unknown = [k for k in config if k not in allowed]
+    if unknown:
+        raise FormatError(
+            f"Expected only the keys {list(allowed)} in the {CODEC_ID} configuration. Got the "
+            f"unknown key {unknown[0]!r:.80} instead; remove it (or upgrade inshrink-store if "
+            "a newer version wrote it)."
+        )
+    return dict(config)
+
+
+def encode_chunk(data: np.ndarray, dtype: str, level: int, coder: str, base: np.ndarray | None = None) -> bytes:
+    """The encoded chunk for the flat uint8 bytes ``data`` of ``dtype`` elements (checked sizes)."""
+    version = VERSION_OF_CODER[coder]
+    itemsize = carrier(dtype).itemsize
+    n = data.size // itemsize
+    flags = FLAG_SIGN_LAST if version >= 2 and dtype in SIGN_LAST_DTYPES else 0
+    arranged = sign_last(data, itemsize) if flags else data
+    planes = split_planes(arranged, itemsize)
+    base_planes: list[np.ndarray] | None = None
+    if base is not None:
+        base_planes = split_planes(sign_last(base, itemsize) if flags else base, itemsize)
+    compressor = zstandard.ZstdCompressor(level=level)
+    table: list[bytes] = []
+    bodies: list[bytes] = []
+    for i, plane in enumerate(planes):
+        if version >= 2:
+            method, body = _planes.encode_stream(plane, level, packable=True)
+        else:
+            method, body = RAW, plane.tobytes()
+            if n:
+                zstd_body = compressor.compress(_buffer(plane))
+                if len(zstd_body) < len(body):
+                    method, body = ZSTD, zstd_body
+        if base_planes is not None and n:
+            xored = compressor.compress(_buffer(np.bitwise_xor(plane, base_planes[i])))
+            if len(xored) < len(body):  # strictly smaller wins: ties keep the plain method
+                method, body = XOR_ZSTD, xored
+        flags |= FLAG_BASE if method in (XOR_RAW, XOR_ZSTD) else 0
+        table.append(PLANE.pack(method, len(body)))
+        bodies.append(body)
+    base_hash = xxhash.xxh3_64_intdigest(_buffer(base)) if base is not None and flags & FLAG_BASE else 0
+    header = HEADER.pack(MAGIC, version, DTYPE_CODES[dtype], flags, itemsize, n,
+                         xxhash.xxh3_64_intdigest(_buffer(data)), base_hash)
+    return b"".join((header, *table, *bodies))
+
+
 class ByteGroup(Codec):
     """numcodecs codec; ``encode``/``decode`` take the parent version's chunk as optional ``base=``.
 
     Arrays of ``dtype`` bfloat16 are passed as uint16 bit patterns. ``decode`` returns a flat
-    array of the element's carrier dtype (float32, float16, uint16).
+    array of the element's carrier dtype (float32, float16, uint16). ``coder="zstd"`` writes
+    format 1 (kept for its vectors), ``"zstd+huffman"`` format 2; both decode either.
     """
 
     codec_id = CODEC_ID
 
     def __init__(self, dtype: str = "float32", level: int = 1, coder: str = "zstd") -> None:
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise FormatError(
-                f"Expected dtype one of {sorted(DTYPES)}. Got {dtype!r:.80} instead; bfloat16 "
-                "arrays are passed as uint16 bit patterns with dtype 'bfloat16'."
-            )
-        if not isinstance(coder, str) or coder not in CODERS:
-            raise FormatError(f"Expected coder one of {sorted(CODERS)}. Got {coder!r:.80} instead.")
-        self.dtype = dtype
+        self.dtype = _check_dtype(dtype)
         self.level = _check_level(level)
-        self.coder = coder
+        self.coder = _check_coder(coder)
 
     @property
     def carrier(self) -> np.dtype[Any]:
-        return DTYPES[self.dtype][1]
+        return carrier(self.dtype)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ByteGroup:
         """Build from ``get_config()`` output; an unknown key is a FormatError naming it."""
-        if not isinstance(config, dict):
-            raise FormatError(f"Expected the {CODEC_ID} configuration to be a dict. Got {config!r:.80} instead.")
-        unknown = [k for k in config if k != "id" and k not in CONFIG_KEYS]
-        if unknown:
-            raise FormatError(
-                f"Expected only the keys {['id', *CONFIG_KEYS]} in the {CODEC_ID} configuration. "
-                f"Got the unknown key {unknown[0]!r:.80} instead; remove it (or upgrade "
-                "inshrink-store if a newer version wrote it)."
-            )
-        return cls(**{k: v for k, v in config.items() if k != "id"})
+        kwargs = check_keys(config, ("id", *CONFIG_KEYS))
+        kwargs.pop("id", None)
+        return cls(**kwargs)
 
     def get_config(self) -> dict[str, Any]:
         return {"id": CODEC_ID, "coder": self.coder, "dtype": self.dtype, "level": self.level}
@@ -134,7 +234,6 @@ class ByteGroup(Codec):
     def __repr__(self) -> str:
         return f"ByteGroup(dtype={self.dtype!r}, level={self.level}, coder={self.coder!r})"
 
-    # -- encoding ---------------------------------------------------------------------------
     def _elements(self, buf: Any, what: str) -> np.ndarray:
         data = _bytes_view(buf)
         if data.size % self.carrier.itemsize:
@@ -148,11 +247,7 @@ class ByteGroup(Codec):
         """Encode the chunk ``buf``; with ``base`` (same dtype and size), a plane may be XORed
         with the base's plane where that codes smaller."""
         data = self._elements(buf, "the chunk")
-        itemsize = self.carrier.itemsize
-        n = data.size // itemsize
-        planes = split_planes(data, itemsize)
-        base_planes: list[np.ndarray] | None = None
-        base_hash = 0
+        base_data = None
         if base is not None:
             base_data = self._elements(base, "the base chunk")
             if base_data.size != data.size:
@@ -160,33 +255,8 @@ class ByteGroup(Codec):
                     f"Expected a base chunk of {data.size} bytes (same shape as the chunk). Got "
                     f"{base_data.size} instead (shape changed: encode without base=)."
                 )
-            base_planes = split_planes(base_data, itemsize)
-            base_hash = xxhash.xxh3_64_intdigest(_buffer(base_data))
-        compressor = zstandard.ZstdCompressor(level=self.level)
-        table: list[bytes] = []
-        bodies: list[bytes] = []
-        used_base = False
-        for i, plane in enumerate(planes):
-            method, body = RAW, plane.tobytes()
-            if n:
-                candidates = [(ZSTD, compressor.compress(_buffer(plane)))]
-                if base_planes is not None:
-                    xored = np.bitwise_xor(plane, base_planes[i])
-                    candidates.append((XOR_ZSTD, compressor.compress(_buffer(xored))))
-                for cand_method, cand_body in candidates:  # strictly smaller wins: ties keep the first
-                    if len(cand_body) < len(body):
-                        method, body = cand_method, cand_body
-            used_base |= bool(method & METHOD_XOR)
-            table.append(PLANE.pack(method, len(body)))
-            bodies.append(body)
-        code = DTYPES[self.dtype][0]
-        header = HEADER.pack(
-            MAGIC, VERSION, code, FLAG_BASE if used_base else 0, itemsize, n,
-            xxhash.xxh3_64_intdigest(_buffer(data)), base_hash if used_base else 0,
-        )
-        return b"".join((header, *table, *bodies))
+        return encode_chunk(data, self.dtype, self.level, self.coder, base_data)
 
-    # -- decoding ---------------------------------------------------------------------------
     def decode(self, buf: Any, out: Any = None, base: Any = None) -> Any:
         """The exact chunk: a flat array of the carrier dtype, or ``out`` filled with it."""
         decoded = decode_bytes(_bytes_view(buf), self.dtype, base)
@@ -204,21 +274,30 @@ def parse(data: np.ndarray) -> tuple[int, int, int, int, int, list[tuple[int, in
 
     Returns (dtype code, flags, n, checksum, base hash, [(method, length)] per plane).
     """
+    return _parse(data)[1:]
+
+
+def _parse(data: np.ndarray) -> tuple[int, int, int, int, int, int, list[tuple[int, int]]]:
+    """:func:`parse` with the format version first."""
     if data.size < HEADER_SIZE or bytes(data[:4]) != MAGIC:
         raise FormatError(
             f"Expected a bytegroup chunk starting with {MAGIC!r}. Got {bytes(data[:4])!r} "
             f"({data.size} bytes) instead (not a bytegroup chunk, or truncated)."
         )
     _, version, code, flags, count, n, checksum, base_hash = HEADER.unpack_from(_buffer(data))
-    if version != VERSION:
+    if version not in VERSIONS:
         raise FormatError(
-            f"Expected bytegroup format version {VERSION}. Got {version} instead; upgrade inshrink-store."
+            f"Expected bytegroup format version in {list(VERSIONS)}. Got {version} instead; "
+            "upgrade inshrink-store."
         )
     if code not in DTYPE_NAMES:
         raise FormatError(f"Expected a dtype code in {sorted(DTYPE_NAMES)}. Got {code} instead (corrupt header).")
-    if flags & ~KNOWN_FLAGS:
-        raise FormatError(f"Expected header flags within {KNOWN_FLAGS}. Got {flags} instead (corrupt header).")
-    itemsize = DTYPES[DTYPE_NAMES[code]][1].itemsize
+    if flags & ~KNOWN_FLAGS[version]:
+        raise FormatError(
+            f"Expected header flags within {KNOWN_FLAGS[version]} (format {version}). Got {flags} "
+            "instead (corrupt header)."
+        )
+    itemsize = carrier(DTYPE_NAMES[code]).itemsize
     if count != itemsize:
         raise FormatError(
             f"Expected {itemsize} planes for {DTYPE_NAMES[code]}. Got a plane count of {count} instead."
@@ -229,14 +308,18 @@ def parse(data: np.ndarray) -> tuple[int, int, int, int, int, list[tuple[int, in
     planes = [PLANE.unpack_from(_buffer(data), HEADER_SIZE + i * PLANE_SIZE) for i in range(count)]
     total = table_end
     for i, (method, length) in enumerate(planes):
-        if method not in METHODS:
-            raise FormatError(f"Expected plane {i}'s method in {list(METHODS)}. Got {method} instead.")
-        if not method & METHOD_ZSTD and length != n:
-            raise FormatError(f"Expected raw plane {i} to hold n={n} bytes. Got a length of {length} instead.")
-        if method & METHOD_ZSTD and n > length * _zstd.MAX_EXPANSION:
+        if method not in METHODS_OF_VERSION[version]:
             raise FormatError(
-                f"Expected n={n} to fit in plane {i}'s zstd frame of {length} bytes. Got a count "
-                "no frame that small can hold instead (corrupt header)."
+                f"Expected plane {i}'s method in {list(METHODS_OF_VERSION[version])} (format "
+                f"{version}). Got {method} instead."
+            )
+        coder = CODER_OF_METHOD[method]
+        if coder == _planes.RAW and length != n:
+            raise FormatError(f"Expected raw plane {i} to hold n={n} bytes. Got a length of {length} instead.")
+        if n > length * _planes.max_expansion(coder):
+            raise FormatError(
+                f"Expected n={n} to fit in plane {i}'s {length} stored bytes. Got a count "
+                "no stream that small can hold instead (corrupt header)."
             )
         total += length
     if data.size != total:
@@ -244,56 +327,62 @@ def parse(data: np.ndarray) -> tuple[int, int, int, int, int, list[tuple[int, in
             f"Expected {total} bytegroup bytes (header, plane table and planes). Got {data.size} "
             "instead (truncated, trailing bytes, or a corrupt plane length)."
         )
-    uses_base = any(method & METHOD_XOR for method, _ in planes)
+    uses_base = any(method in (XOR_RAW, XOR_ZSTD) for method, _ in planes)
     if uses_base != bool(flags & FLAG_BASE) or (not uses_base and base_hash):
         raise FormatError(
             f"Expected the base flag ({flags & FLAG_BASE}) to say whether a plane uses the base "
             f"({int(uses_base)}) and a zero base hash without one. Got base hash {base_hash:016x} instead."
         )
-    return code, flags, n, checksum, base_hash, planes
+    return version, code, flags, n, checksum, base_hash, planes
 
 
-def decode_bytes(data: np.ndarray, dtype: str, base: Any = None) -> np.ndarray:
-    """The decoded chunk as flat uint8, checked against the header's checksum."""
-    code, flags, n, checksum, base_hash, table = parse(data)
+def _base_planes(base: Any, base_hash: int, n: int, itemsize: int, flags: int) -> list[np.ndarray]:
+    if base is None:
+        raise FormatError(
+            "Expected the base chunk (base=...) this chunk was XORed with. Got None instead; pass "
+            "the chunk stored at the same key in the parent version."
+        )
+    base_data = _bytes_view(base)
+    got = xxhash.xxh3_64_intdigest(_buffer(base_data))
+    if got != base_hash:
+        raise IntegrityError(
+            f"Expected the base chunk this chunk was encoded against (xxh3-64 {base_hash:016x}). "
+            f"Got a different base ({got:016x}) instead."
+        )
+    if base_data.size != n * itemsize:
+        raise FormatError(f"Expected a base of {n * itemsize} bytes. Got {base_data.size} instead.")
+    return split_planes(sign_last(base_data, itemsize) if flags & FLAG_SIGN_LAST else base_data, itemsize)
+
+
+def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | None = None) -> np.ndarray:
+    """The decoded chunk as flat uint8, checked against the header's checksum.
+
+    ``size`` (bytes), when known, is checked against the header before anything is allocated."""
+    _, code, flags, n, checksum, base_hash, table = _parse(data)
     if DTYPE_NAMES[code] != dtype:
         raise FormatError(
             f"Expected a {dtype} chunk (the codec's dtype). Got a {DTYPE_NAMES[code]} chunk instead."
         )
     itemsize = len(table)
-    base_planes: list[np.ndarray] | None = None
-    if flags & FLAG_BASE:
-        if base is None:
-            raise FormatError(
-                "Expected the base chunk (base=...) this chunk was XORed with. Got None instead; pass "
-                "the chunk stored at the same key in the parent version."
-            )
-        base_data = _bytes_view(base)
-        if xxhash.xxh3_64_intdigest(_buffer(base_data)) != base_hash:
-            raise IntegrityError(
-                f"Expected the base chunk this chunk was encoded against (xxh3-64 {base_hash:016x}). "
-                f"Got a different base ({xxhash.xxh3_64_intdigest(_buffer(base_data)):016x}) instead."
-            )
-        if base_data.size != n * itemsize:
-            raise FormatError(f"Expected a base of {n * itemsize} bytes. Got {base_data.size} instead.")
-        base_planes = split_planes(base_data, itemsize)
+    if size is not None and n * itemsize != size:
+        raise FormatError(
+            f"Expected a chunk of {size} bytes ({size // itemsize} {dtype} elements). Got a header "
+            f"saying n={n} instead."
+        )
+    base_planes = _base_planes(base, base_hash, n, itemsize, flags) if flags & FLAG_BASE else None
     offset = HEADER_SIZE + itemsize * PLANE_SIZE
     planes: list[np.ndarray] = []
     for i, (method, length) in enumerate(table):
-        body = data[offset:offset + length]
+        body = memoryview(_buffer(data[offset:offset + length]))
         offset += length
-        if method & METHOD_ZSTD:
-            raw = _zstd.decompress(memoryview(_buffer(body)), n, f"plane {i}'s zstd frame")
-            if len(raw) != n:
-                raise FormatError(f"Expected plane {i} to decompress to {n} bytes. Got {len(raw)} instead.")
-            plane = np.frombuffer(raw, np.uint8)
-        else:
-            plane = body
-        if method & METHOD_XOR:
+        plane = _planes.decode_stream(CODER_OF_METHOD[method], body, n, f"plane {i}")
+        if method in (XOR_RAW, XOR_ZSTD):
             assert base_planes is not None  # FLAG_BASE matches the methods (parse)
             plane = np.bitwise_xor(plane, base_planes[i])
         planes.append(plane)
     out = join_planes(planes, itemsize, np.empty(n * itemsize, np.uint8))
+    if flags & FLAG_SIGN_LAST:
+        out = sign_first(out, itemsize)
     if xxhash.xxh3_64_intdigest(_buffer(out)) != checksum:
         raise FormatError(
             f"Expected decoded data with xxh3-64 {checksum:016x}. Got "
@@ -303,3 +392,80 @@ def decode_bytes(data: np.ndarray, dtype: str, base: Any = None) -> np.ndarray:
 
 
 register_codec(ByteGroup)
+
+
+# -- zarr v3 front end -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ByteGroupZarrCodec(BytesBytesCodec):
+    """zarr v3 ``BytesBytesCodec`` named ``inshrink.bytegroup``, placed after zarr's ``bytes``
+    codec (little-endian). ``dtype`` names the element type (``"bfloat16"`` for uint16 arrays
+    of bfloat16 bits) and must match the array's dtype. Chunks are coded on worker threads
+    (``asyncio.to_thread``, as zarr's own Blosc codec does), so zarr's ``async.concurrency``
+    chunks of one array are encoded at once; each chunk's bytes do not depend on that."""
+
+    is_fixed_size = False
+
+    dtype: str
+    level: int = 1
+    coder: str = "zstd+huffman"
+
+    def __init__(self, *, dtype: Any, level: Any = 1, coder: Any = "zstd+huffman") -> None:
+        object.__setattr__(self, "dtype", _check_dtype(dtype))
+        object.__setattr__(self, "level", _check_level(level))
+        object.__setattr__(self, "coder", _check_coder(coder))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ByteGroupZarrCodec:
+        """Build from zarr.json; a missing dtype or an unknown key is a FormatError naming it."""
+        try:
+            _, config = parse_named_configuration(data, CODEC_ID)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise FormatError(
+                f"Expected a codec entry {{'name': {CODEC_ID!r}, 'configuration': {{...}}}}. "
+                f"Got {data!r:.80} instead ({exc})."
+            ) from None
+        kwargs = check_keys(config, CONFIG_KEYS)
+        if "dtype" not in kwargs:
+            raise FormatError(
+                f"Expected a dtype ({list(ELEMENT_DTYPES)}) in the {CODEC_ID} configuration. Got none instead."
+            )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": CODEC_ID, "configuration": {"coder": self.coder, "dtype": self.dtype, "level": self.level}}
+
+    def validate(self, *, shape: Any, dtype: Any, chunk_grid: Any) -> None:
+        native = np.dtype(dtype.to_native_dtype())
+        if native.newbyteorder("<") != carrier(self.dtype):
+            raise FormatError(
+                f"Expected a {carrier(self.dtype).name} array for {CODEC_ID} with dtype "
+                f"{self.dtype!r}. Got a {native} array instead; set the codec's dtype to the "
+                "array's element type (bfloat16 bits are a uint16 array with dtype 'bfloat16')."
+            )
+
+    def _encode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer:
+        data = chunk_bytes.as_numpy_array().reshape(-1).view(np.uint8)
+        if data.size % carrier(self.dtype).itemsize:
+            raise FormatError(
+                f"Expected whole {self.dtype} elements in a chunk. Got {data.size} bytes instead."
+            )
+        return chunk_spec.prototype.buffer.from_bytes(encode_chunk(data, self.dtype, self.level, self.coder))
+
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer:
+        size = math.prod(chunk_spec.shape) * carrier(self.dtype).itemsize
+        data = chunk_bytes.as_numpy_array().reshape(-1).view(np.uint8)
+        return chunk_spec.prototype.buffer.from_array_like(decode_bytes(data, self.dtype, size=size))
+
+    async def _encode_single(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer | None:
+        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer:
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
+        raise NotImplementedError("inshrink.bytegroup chunks are variable-size")
+
+
+register_zarr_codec(CODEC_ID, ByteGroupZarrCodec)

@@ -58,7 +58,7 @@ class CandidatePlanner:
         quantizer = StateQuantizer(inputs, self.config, cache=self.cache)
         plans = {p: _frozen(array_plan(quantizer.quantize(p), dtypes[p], self.config.protected_dtype))
                  for p in quantizer.names}
-        estimator = self.estimator or RatioEstimator(tensors, self.scope)
+        estimator = self.estimator or RatioEstimator(tensors, self.scope, dtypes)
         return PlanSet(self.config, plans, estimator.logical_bytes, estimator.stored_bytes(plans))
 
 
@@ -85,7 +85,7 @@ class Candidates:
         self.optimizer_params: Mapping[str, str] = optimizer_params or {}
         self.optimizer_hyper: Mapping[str, AdamHyper] = optimizer_hyper or {}
         self.cache = PartitionCache()
-        self.estimator = RatioEstimator(tensors, scope)
+        self.estimator = RatioEstimator(tensors, scope, dtypes)
         self._held: OrderedDict[QuantConfig, PlanSet] = OrderedDict()
         self._ratios: dict[QuantConfig, float] = {}
 

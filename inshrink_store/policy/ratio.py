@@ -3,10 +3,12 @@
 The search ranks candidate configurations by measured compression ratio, so the
 measurement encodes each tensor the way the store does:
 
-- a lossless tensor with the writer's own codec settings
-  (:func:`inshrink_store.writer.lossless_codecs`: Blosc zstd with byte shuffle), chunk by
-  chunk on the writer's chunk grid (edge chunks padded with the fill value, as zarr writes
-  them); the store keeps those chunk objects as they are;
+- a lossless tensor by writing it the writer's own way (:func:`inshrink_store.writer.create_array`
+  with :func:`inshrink_store.writer.lossless_codecs`: ``inshrink.bytegroup`` for float32,
+  float16 and bfloat16, Blosc zstd + shuffle otherwise) into a zarr memory store and
+  counting its chunk bytes: same codecs, chunk grid and padded edge chunks, so a change to
+  the writer's codec choice changes the estimate with it. The store keeps those chunk
+  objects as they are;
 - a quantized tensor as its ``inshrink.nuq`` payload compressed with zstd at the object
   store's level (:data:`inshrink_store.cas.ZSTD_LEVEL`), encoded whole. A tensor of more
   than one chunk (over 1 Mi float32 elements) costs the store a few hundred more bytes
@@ -20,50 +22,28 @@ are measured once per state and shared by every candidate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from itertools import product
+from collections.abc import Mapping
 
-import numcodecs
 import numpy as np
+import zarr
 import zstandard
+from zarr.core.buffer import Buffer
 
 from inshrink_store.cas import ZSTD_LEVEL
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
-from inshrink_store.writer import ArrayPlan, default_chunks, lossless_codecs
-
-_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+from inshrink_store.writer import ArrayPlan, create_array, lossless_codecs
 
 
-def _blosc(array: np.ndarray) -> numcodecs.Blosc:
-    """The numcodecs Blosc that zarr runs for the writer's lossless codec of ``array``."""
-    (codec,) = lossless_codecs(array)["compressors"]
-    config = codec.to_dict()["configuration"]
-    return numcodecs.Blosc(cname=config["cname"], clevel=config["clevel"],
-                           shuffle=_SHUFFLE[config["shuffle"]], blocksize=config.get("blocksize", 0),
-                           typesize=config["typesize"])
+def lossless_bytes(array: np.ndarray, dtype: str | None = None) -> int:
+    """Bytes the writer's lossless chunks of ``array`` take (nothing for an empty array).
 
-
-def _chunks(array: np.ndarray) -> Iterable[np.ndarray]:
-    """The array's chunks on the writer's grid, edge chunks padded with 0 (the fill value)."""
-    shape = default_chunks(array.shape, array.dtype.itemsize)
-    grid = [range(0, max(n, 1), c) for n, c in zip(array.shape, shape, strict=True)]
-    for corner in product(*grid):
-        part = array[tuple(slice(s, s + c) for s, c in zip(corner, shape, strict=True))]
-        if part.shape != shape:
-            padded = np.zeros(shape, array.dtype)
-            padded[tuple(slice(0, n) for n in part.shape)] = part
-            part = padded
-        yield part
-
-
-def lossless_bytes(array: np.ndarray) -> int:
-    """Bytes the writer's lossless chunks of ``array`` take (nothing for an empty array)."""
+    ``dtype`` is the logical dtype (``"BF16"`` for uint16 bfloat16 bits; inferred when None)."""
     if array.size == 0:
         return 0
-    blosc = _blosc(array)
-    little = array.dtype.newbyteorder("<")  # zarr's bytes codec writes little-endian
-    return sum(len(blosc.encode(np.ascontiguousarray(chunk, little).tobytes())) for chunk in _chunks(array))
+    written: dict[str, Buffer] = {}
+    create_array(zarr.storage.MemoryStore(written), None, array, lossless_codecs(array, dtype))
+    return sum(len(value) for key, value in written.items() if not key.endswith("zarr.json"))
 
 
 def quantized_bytes(plan: ArrayPlan) -> int:
@@ -82,12 +62,15 @@ def quantized_bytes(plan: ArrayPlan) -> int:
 class RatioEstimator:
     """Logical / stored bytes of the tensors under ``scope``, for any set of plans.
 
-    ``tensors`` are the carried arrays of one state (bfloat16 as uint16 bits). Lossless
-    sizes are measured on first use and kept: they are the same for every candidate.
+    ``tensors`` are the carried arrays of one state (bfloat16 as uint16 bits) and ``dtypes``
+    their logical dtypes where the array cannot say (``"BF16"``). Lossless sizes are
+    measured on first use and kept: they are the same for every candidate.
     """
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], scope: str = "model/") -> None:
+    def __init__(self, tensors: Mapping[str, np.ndarray], scope: str = "model/",
+                 dtypes: Mapping[str, str] | None = None) -> None:
         self.tensors = tensors
+        self.dtypes: Mapping[str, str] = dtypes or {}
         self.paths = [p for p in tensors if p.startswith(scope)]
         self.logical_bytes = sum(tensors[p].nbytes for p in self.paths)
         self._lossless: dict[str, int] = {}
@@ -102,7 +85,7 @@ class RatioEstimator:
 
     def _lossless_bytes(self, path: str) -> int:
         if path not in self._lossless:
-            self._lossless[path] = lossless_bytes(self.tensors[path])
+            self._lossless[path] = lossless_bytes(self.tensors[path], self.dtypes.get(path))
         return self._lossless[path]
 
 

@@ -117,7 +117,7 @@ def test_truncated_or_extended_chunks_raise_format_errors(cut):
 
 # header / plane-table offsets (codecs/inshrink.bytegroup/README.md) and a corrupt value for each
 CORRUPTIONS = {
-    "magic": (0, b"NOPE", "IBG"), "version": (4, b"\x02", "version"), "dtype code": (5, b"\x09", "dtype code"),
+    "magic": (0, b"NOPE", "IBG"), "version": (4, b"\x09", "version"), "dtype code": (5, b"\x09", "dtype code"),
     "flags": (6, b"\x04", "flags"), "plane count": (7, b"\x02", "planes"),
     "count": (8, (501).to_bytes(8, "little"), "n=501"),
     "huge count": (8, (10**18).to_bytes(8, "little"), "Expected"),

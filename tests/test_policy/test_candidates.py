@@ -98,7 +98,7 @@ def test_ratio_estimate_matches_the_bytes_of_a_lossless_save() -> None:
     tensors, dtypes = _state()
     repo = ins.open(f"memory://ratio-{uuid.uuid4().hex}", create=True)
     info = repo.save(tensors, dtypes=dtypes)
-    estimator = RatioEstimator(tensors)
+    estimator = RatioEstimator(tensors, dtypes=dtypes)
     stored = _stored_chunk_bytes(repo, info.id)
     assert estimator.stored_bytes({}) == stored  # the writer's own codec, chunk by chunk: exact
     assert estimator.ratio({}) == pytest.approx(estimator.logical_bytes / stored)

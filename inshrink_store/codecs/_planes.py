@@ -1,0 +1,253 @@
+"""How one byte plane of ``inshrink.bytegroup`` is stored: the stream coders and their choice.
+
+Why more than zstd: the plane holding a float's exponent takes a few dozen byte values
+with a skewed, non-repeating distribution. zstd's fast levels spend bits on short
+spurious matches there (about 5 % above a Huffman code), while its good levels are 100x
+slower. A Huffman-only deflate stream (``zlib``, strategy ``Z_HUFFMAN_ONLY``) codes it at
+Huffman cost and about 150 MB/s. Better still, *packing* replaces each byte by its rank
+in a small table (1, 2 or 4 bits) and packs 8, 4 or 2 ranks per byte: a Huffman code of
+the packed bytes then codes pairs of exponents, which captures some of the correlation
+between neighbouring weights and wastes less on integer code lengths (about 6 % below
+plain Huffman on a pretrained CNN). Bytes outside the table are *escapes*, stored apart.
+Packing with 1 bit is also how a plane holding two values (a sign bit alone, or a
+weight stored with fewer mantissa bits) costs one bit per element.
+
+Every coder is single-threaded with fixed settings, so the output depends on the input
+(and the zstd level) only. Decoding bounds every size by the stored bytes before it
+allocates. Layout: ``codecs/inshrink.bytegroup/README.md``.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any, cast
+
+import numpy as np
+import zstandard
+
+from inshrink_store.codecs import _zstd
+from inshrink_store.errors import FormatError
+
+#: stream coders (also the plane methods of the same value)
+RAW, ZSTD, HUFFMAN, PACKED = 0, 1, 4, 5
+STREAM_CODERS = (RAW, ZSTD, HUFFMAN)
+#: deflate's largest expansion (zlib's documented 1032:1)
+DEFLATE_MAX_EXPANSION = 1032
+#: largest expansion of a packed plane: 8 ranks per byte, that byte stream zstd'd
+PACKED_MAX_EXPANSION = 8 * _zstd.MAX_EXPANSION
+#: try Huffman only when the order-0 entropy promises at least this fraction of the input
+HUFFMAN_WORTH = 0.97
+#: pack when the 15 commonest values cover at least this fraction of the plane
+PACK_COVERAGE = 0.99
+# packed body: rank bits, table size K, packed-stream coder, its stored length,
+# escape coder, escape count, escapes' stored length; then the K table bytes and the streams
+PACKED_HEADER = struct.Struct("<BBBQBQQ")
+#: bytes of a plane that decide its coders (a sample for the histogram, the head for zstd's
+#: trial), and the slack zstd's trial may lose to an order-0 code
+SAMPLE = 1 << 16
+ZSTD_SLACK = 64
+RANK_BITS = (1, 2, 4)
+_DEFLATE = (1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)  # level, raw deflate, memLevel 9
+
+
+def _buffer(array: np.ndarray) -> bytes:
+    return cast(bytes, array)  # numpy arrays implement the buffer protocol
+
+
+def huffman(data: np.ndarray) -> bytes:
+    """A raw deflate stream of ``data`` coded with Huffman codes only (no matches)."""
+    deflate = zlib.compressobj(*_DEFLATE)
+    return deflate.compress(_buffer(data)) + deflate.flush()
+
+
+def inflate(body: bytes | memoryview, size: int, what: str) -> bytes:
+    """The content of the raw deflate stream ``body``, which must be exactly ``size`` bytes."""
+    inflater = zlib.decompressobj(-15)
+    try:
+        out = inflater.decompress(body, size + 1)
+    except zlib.error as exc:
+        raise FormatError(f"Expected {what} to be a raw deflate stream. Got {exc} instead.") from None
+    if len(out) != size or not inflater.eof or inflater.unused_data or inflater.unconsumed_tail:
+        raise FormatError(
+            f"Expected {what} to be one deflate stream of exactly {size} bytes. Got "
+            f"{len(out)}{'+' if len(out) > size else ''} bytes (stream {'ended' if inflater.eof else 'unfinished'}, "
+            f"{len(inflater.unused_data) + len(inflater.unconsumed_tail)} bytes left over) instead."
+        )
+    return out
+
+
+def entropy_bytes(hist: np.ndarray) -> float:
+    """Order-0 entropy of a byte histogram, in bytes: what no Huffman code of it beats."""
+    total = int(hist.sum())
+    if not total:
+        return 0.0
+    p = hist[hist > 0] / total
+    return float(-(p * np.log2(p)).sum() * total / 8)
+
+
+def sample(data: np.ndarray) -> np.ndarray:
+    """Every k-th byte, about :data:`SAMPLE` of them: what the coder choices are made on."""
+    return data[:: max(1, data.size // SAMPLE)]
+
+
+def _zstd_may_win(data: np.ndarray, level: int, hist: np.ndarray) -> bool:
+    """Whether zstd is worth running on ``data``: on its first bytes, does it beat an
+    order-0 code (runs, zeros, repeated rows)? Skewed but non-repeating planes (exponents)
+    and random ones (low mantissa bytes) skip it: they are Huffman's or raw's."""
+    if data.size <= 2 * SAMPLE:
+        return True
+    head = data[:SAMPLE]
+    coded = len(zstandard.ZstdCompressor(level=level).compress(_buffer(head)))
+    return coded < entropy_bytes(np.bincount(head, minlength=256)) + ZSTD_SLACK
+
+
+def encode_stream(data: np.ndarray, level: int, packable: bool = False) -> tuple[int, bytes]:
+    """(coder, stored bytes): the smallest of raw, zstd, Huffman and (when ``packable``) packed,
+    ties keeping the earlier. A histogram of a sample decides which coders can win (Huffman
+    and packing only on skewed bytes, zstd only where its first bytes show repetition), so
+    a near-random plane costs a sample and a 64 KiB trial."""
+    best = (RAW, data.tobytes())
+    if not data.size:
+        return best
+    seen = sample(data)
+    hist = np.bincount(seen, minlength=256)
+    candidates = []
+    if _zstd_may_win(data, level, hist):
+        candidates.append((ZSTD, lambda: zstandard.ZstdCompressor(level=level).compress(_buffer(data))))
+    top = np.sort(hist)[::-1]
+    if top[1] and entropy_bytes(hist) < HUFFMAN_WORTH * seen.size:  # skewed, not constant
+        if packable and top[:15].sum() >= PACK_COVERAGE * seen.size:
+            candidates.append((PACKED, lambda: pack(data, hist, level)))
+        else:
+            candidates.append((HUFFMAN, lambda: huffman(data)))
+    for coder, make in candidates:
+        body = make()
+        if len(body) < len(best[1]):
+            best = (coder, body)
+    return best
+
+
+def decode_stream(coder: int, body: bytes | memoryview, size: int, level_what: str) -> np.ndarray:
+    """The ``size`` bytes that ``encode_stream`` stored as ``body`` with ``coder`` (flat uint8)."""
+    if coder == RAW:
+        if len(body) != size:
+            raise FormatError(f"Expected raw {level_what} of {size} bytes. Got {len(body)} instead.")
+        return np.frombuffer(body, np.uint8)
+    if coder == ZSTD:
+        raw = _zstd.decompress(body, size, f"{level_what}'s zstd frame")
+    elif coder == HUFFMAN:
+        raw = inflate(body, size, f"{level_what}'s deflate stream")
+    elif coder == PACKED:
+        return unpack(body, size, level_what)
+    else:
+        raise FormatError(f"Expected a coder in {[*STREAM_CODERS, PACKED]} for {level_what}. Got {coder} instead.")
+    if len(raw) != size:
+        raise FormatError(f"Expected {level_what} to decode to {size} bytes. Got {len(raw)} instead.")
+    return np.frombuffer(raw, np.uint8)
+
+
+def max_expansion(coder: int) -> int:
+    """How many bytes one stored byte of a stream of ``coder`` can decode to at most."""
+    return {RAW: 1, ZSTD: _zstd.MAX_EXPANSION, HUFFMAN: DEFLATE_MAX_EXPANSION,
+            PACKED: PACKED_MAX_EXPANSION}[coder]
+
+
+# -- packing ---------------------------------------------------------------------------
+
+
+def _word(bits: int) -> np.dtype[Any]:
+    """The little-endian word holding the ``8 // bits`` ranks that share one packed byte."""
+    return np.dtype(f"<u{8 // bits}")
+
+
+def pack_ranks(ranks: np.ndarray, bits: int) -> np.ndarray:
+    """Ranks (< 2**bits) -> bytes holding ``8 // bits`` of them, the first in the lowest bits."""
+    per = 8 // bits
+    padded = np.zeros(-(-ranks.size // per) * per, np.uint8)
+    padded[: ranks.size] = ranks
+    words = padded.view(_word(bits))  # rank j of a group sits at bit 8j of its word
+    packed = np.zeros(words.size, _word(bits))
+    mask = (1 << bits) - 1
+    for j in range(per):
+        packed |= (words >> (j * (8 - bits))) & (mask << (j * bits))
+    return packed.astype(np.uint8)
+
+
+def unpack_ranks(packed: np.ndarray, bits: int, size: int) -> np.ndarray:
+    """Inverse of :func:`pack_ranks`: the first ``size`` ranks."""
+    per = 8 // bits
+    wide = packed.astype(_word(bits))
+    words = np.zeros(packed.size, _word(bits))
+    mask = (1 << bits) - 1
+    for j in range(per):
+        words |= (wide << (j * (8 - bits))) & (mask << (8 * j))
+    return words.view(np.uint8)[:size]
+
+
+def _ranks(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(bits, table, ranks, escaped mask): the commonest values of ``hist`` (a sample's) get
+    ranks in table order (commonest first, ties by value); values outside the table take
+    rank len(table), the escape. Bits are the fewest that hold the ranks (and the escape
+    when there are escapes)."""
+    distinct = int(np.count_nonzero(hist))
+    bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
+    table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)
+    rank_of = np.full(256, 255, np.uint8)
+    rank_of[table] = np.arange(table.size, dtype=np.uint8)
+    ranks = rank_of[data]
+    escaped = ranks == 255
+    if table.size == 1 << bits and escaped.any():  # no rank left for the escape
+        if bits < RANK_BITS[-1]:
+            bits = RANK_BITS[RANK_BITS.index(bits) + 1]
+        else:
+            table = table[:-1]
+            escaped |= ranks == table.size
+    ranks[escaped] = table.size
+    return bits, table, ranks, escaped
+
+
+def pack(data: np.ndarray, hist: np.ndarray, level: int) -> bytes:
+    """The packed form of ``data``: ranks of its commonest values (per the sample histogram
+    ``hist``), ``8 // bits`` to a byte (first element in the lowest bits), the other values
+    as escapes in order. The packed ranks and the escapes are each coded raw, zstd or
+    Huffman, so the bytes depend on the data only."""
+    bits, table, ranks, escaped = _ranks(data, hist)
+    escapes = data[escaped]
+    p_coder, p_body = encode_stream(pack_ranks(ranks, bits), level)
+    e_coder, e_body = encode_stream(escapes, level)
+    head = PACKED_HEADER.pack(bits, table.size, p_coder, len(p_body), e_coder, escapes.size, len(e_body))
+    return b"".join((head, table.tobytes(), p_body, e_body))
+
+
+def unpack(body: bytes | memoryview, size: int, what: str) -> np.ndarray:
+    """Inverse of :func:`pack` for a plane of ``size`` bytes, every length checked first."""
+    view = memoryview(body)
+    if len(view) < PACKED_HEADER.size:
+        raise FormatError(f"Expected {what}'s packed header ({PACKED_HEADER.size} bytes). Got {len(view)} bytes instead.")
+    bits, k, p_coder, p_len, e_coder, n_esc, e_len = PACKED_HEADER.unpack_from(view)
+    if bits not in RANK_BITS or not 1 <= k <= 1 << bits:
+        raise FormatError(f"Expected {what} packed with 1, 2 or 4 bits and 1..2**bits table values. "
+                          f"Got {bits} bits and {k} values instead.")
+    if p_coder not in STREAM_CODERS or e_coder not in STREAM_CODERS or n_esc > size:
+        raise FormatError(f"Expected {what}'s packed and escape coders in {list(STREAM_CODERS)} and "
+                          f"at most {size} escapes. Got coders {p_coder}, {e_coder} and {n_esc} escapes instead.")
+    start = PACKED_HEADER.size + k
+    if len(view) != start + p_len + e_len:
+        raise FormatError(f"Expected {what}'s packed body to be {start + p_len + e_len} bytes (header, "
+                          f"table, streams). Got {len(view)} instead.")
+    packed_size = -(-size // (8 // bits))
+    if p_len * max_expansion(p_coder) < packed_size or e_len * max_expansion(e_coder) < n_esc:
+        raise FormatError(f"Expected {what}'s streams ({p_len} and {e_len} bytes) to be able to hold "
+                          f"{packed_size} packed bytes and {n_esc} escapes. Got too few bytes instead.")
+    table = np.zeros(16, np.uint8)
+    table[:k] = np.frombuffer(view[PACKED_HEADER.size:start], np.uint8)
+    packed = decode_stream(p_coder, view[start:start + p_len], packed_size, f"{what}'s packed stream")
+    escapes = decode_stream(e_coder, view[start + p_len:], n_esc, f"{what}'s escapes")
+    ranks = unpack_ranks(packed, bits, size)
+    escaped = ranks >= k
+    if int(np.count_nonzero(escaped)) != n_esc:
+        raise FormatError(f"Expected {n_esc} escaped elements in {what}. Got {int(np.count_nonzero(escaped))} instead.")
+    out = table[ranks]
+    out[escaped] = escapes
+    return out
