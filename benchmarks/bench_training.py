@@ -84,7 +84,7 @@ def train_once(mode: str, steps: int, every: int, workdir: Path) -> dict[str, An
         result["search_s"] = sum(x["search_s"] for x in ck.timings)
         result["configs"] = [i.metadata["quantization"]["config"] for i in reversed(repo.log())]
         restored = make_model()
-        restored.load_state_dict(load_state(repo, "main")["model"])
+        restored.load_state_dict(load_state(repo, "main", exact=False)["model"])
         result["restored_accuracy"] = _accuracy(restored, xte, yte)
     if repo is not None:
         result["state"] = [r.to_dict() for r in repo.du()]

@@ -980,7 +980,8 @@ def demo(
     _say(out, "accuracy restored from the last compressed checkpoint: ", (f"{result.restored_accuracy:.3f}", "bold"),
          f" (uncompressed run: {result.reference_accuracy:.3f})")
     if result.resumed_from_step is not None:
-        _say(out, f"resumed after a simulated failure from step {result.resumed_from_step}")
+        how = ", bit-exact (restore residual)" if result.resumed_exact else ", from the compressed values"
+        _say(out, f"resumed after a simulated failure from step {result.resumed_from_step}{how}")
     _say(out, f"training {result.train_s:.1f}s, waiting on checkpoints {result.checkpoint_wait_s:.2f}s, "
               f"search in the background {result.search_s:.1f}s")
     _say(out, "inspect it: inshrink log ", url, "  ·  inshrink du ", url)

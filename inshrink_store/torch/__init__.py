@@ -22,6 +22,7 @@ from inshrink_store.torch.tensors import (
     import_file,
     load_checkpoint_file,
     load_state,
+    load_state_report,
     save_safetensors,
     save_state,
     state_to_arrays,
@@ -32,5 +33,6 @@ __all__ = [
     "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "RNGState", "Retention", "SearchPolicy",
     "array_to_tensor",
     "arrays_to_state", "export_safetensors", "export_tensors", "import_file", "load_checkpoint_file", "load_state",
+    "load_state_report",
     "save_safetensors", "save_state", "state_to_arrays", "tensor_to_array",
 ]

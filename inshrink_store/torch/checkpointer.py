@@ -57,7 +57,7 @@ from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.tensors import (
     STRUCTURE_ATTR,
     array_to_tensor,
-    load_state,
+    load_state_report,
     state_to_arrays,
     torch,
 )
@@ -249,7 +249,7 @@ class Checkpointer:
                  branch: str = "main", background: bool = True, gc_wait: float = 600.0,
                  lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, extra_state: Mapping[str, Any] | None = None,
-                 **legacy: Unpack[PolicyArgs]) -> None:
+                 exact_resume: int = 1, **legacy: Unpack[PolicyArgs]) -> None:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise FormatError(
                 f"Expected every to be an int (steps between saves) or None. Got {every!r} instead; "
@@ -269,6 +269,14 @@ class Checkpointer:
                 f"Expected lossless=True alone: it stores every tensor bit-exact, with no search. Got "
                 f"{', '.join(given)} as well instead; drop lossless=True to quantize, or drop {given[0]}."
             )
+        if not _positive_int(exact_resume) and exact_resume != 0:
+            raise InvalidInputError(
+                f"Expected exact_resume to be an int >= 0 (the newest versions that resume bit-exact; 0 "
+                f"turns it off). Got {exact_resume!r} instead.")
+        self.exact_resume = exact_resume
+        #: after :meth:`restore`: True when the state loaded is bit-exact (a restore residual
+        #: or a lossless version), False when quantized tensors hold their stored values
+        self.restored_exact: bool | None = None
         self.retention = _retention(retention, max_to_keep, keep_every_n_steps)
         self.extra_state: dict[str, Any] = dict(extra_state or {})
         for name, obj in self.extra_state.items():
@@ -289,8 +297,10 @@ class Checkpointer:
         self._closed = False
         # retention: tags not yet created (gc waits for them) and the gc thread's state
         self._untagged: list[tuple[str, str]] = []
+        # gc runs after commits for retention, and to collect restore residuals that fell out
+        # of the newest exact_resume versions
         self._gc_pool = (ThreadPoolExecutor(1, thread_name_prefix="inshrink-gc")
-                         if background and self.retention is not None else None)
+                         if background and (self.retention is not None or exact_resume > 0) else None)
         self._gc_due = self._gc_running = False
         self._gc_idle = threading.Event()
         self._gc_idle.set()
@@ -418,8 +428,11 @@ class Checkpointer:
         self.wait()
         self._gc_idle.wait()  # a retention gc in flight must not race this read
         snapshot_id = self.repo.resolve(ref)
-        state = load_state(self.repo, snapshot_id)
+        state, self.restored_exact = load_state_report(self.repo, snapshot_id)
         info = self.repo.snapshot(snapshot_id)
+        log.info("restored step %s from %s: %s", info.step, snapshot_id[:12],
+                 "bit-exact" if self.restored_exact else
+                 "stored (quantized) values: this version keeps no restore residual")
         extras = state.get("extra", {})
         missing = sorted(set(self.extra_state) - set(extras))
         if missing:
@@ -465,12 +478,14 @@ class Checkpointer:
         info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=decision.plans,
                             branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
                             message=job.message or f"step {job.step}",
-                            metadata=metadata)
+                            metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)
         self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
         self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
                              "total_s": time.perf_counter() - t0 + job.copy_s})
         if self.retention is not None:
             self._retain(info)
+        elif self.exact_resume and info.metadata.get("residual") is not None:
+            self._request_gc()  # older residuals fell out of the newest exact_resume versions
         return info
 
     def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> Any:
@@ -561,19 +576,19 @@ class Checkpointer:
                     self._gc_idle.set()
 
     def _collect(self) -> None:
-        """One ``repo.gc(keep_last=max_to_keep)``; never raises into the training loop."""
-        assert self.retention is not None
-        keep = self.retention.max_to_keep
+        """One ``repo.gc(keep_last=max_to_keep)`` (every version kept without retention: it then
+        only collects restore residuals and leftovers); never raises into the training loop."""
+        keep = None if self.retention is None else self.retention.max_to_keep
         try:
             report = self.repo.gc(keep_last=keep)
         except ConflictError as exc:
-            log.info("retention: gc(keep_last=%d) put off to the next save: %s", keep, exc)
+            log.info("retention: gc(keep_last=%s) put off to the next save: %s", keep, exc)
             return
         except Exception as exc:  # a storage error must not stop training; the next save retries
-            log.warning("retention: gc(keep_last=%d) failed (%r); trying again after the next save", keep, exc)
+            log.warning("retention: gc(keep_last=%s) failed (%r); trying again after the next save", keep, exc)
             return
         self.last_gc = report
-        log.info("retention: gc(keep_last=%d) kept %d versions, deleted %d snapshots, freed %d bytes",
+        log.info("retention: gc(keep_last=%s) kept %d versions, deleted %d snapshots, freed %d bytes",
                  keep, report.kept_snapshots, len(report.deleted.get("snapshots", [])), report.freed_bytes)
 
     def close(self) -> None:

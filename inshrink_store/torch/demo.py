@@ -70,6 +70,7 @@ class DemoResult:
     checkpoint_wait_s: float
     search_s: float
     resumed_from_step: int | None
+    resumed_exact: bool = False  # the resume loaded the exact bits (the version's restore residual)
 
 
 def _accuracy(model: Any, x: Any, y: Any) -> float:
@@ -79,13 +80,13 @@ def _accuracy(model: Any, x: Any, y: Any) -> float:
 
 def _restored_accuracy(model: Any, repo: Any, ref: str, x: Any, y: Any) -> float:
     """The accuracy of version ``ref`` as stored: its weights loaded into ``model``."""
-    model.load_state_dict(load_state(repo, ref, prefix="model"))
+    model.load_state_dict(load_state(repo, ref, prefix="model", exact=False))
     return _accuracy(model, x, y)
 
 
 def train(steps: int, every: int | None, repo: Any, fail_at: int | None, tolerance: float,
           progress: Callable[[str], None] | None = None,
-          optimizer: str = "compressed") -> tuple[Any, dict[str, float]]:
+          optimizer: str = "compressed", exact_resume: int = 1) -> tuple[Any, dict[str, float]]:
     """Train the demo model; with ``repo``, checkpoint every ``every`` steps (``optimizer``:
     how the Adam moments are stored, "compressed" or "lossless") and fail once at ``fail_at``."""
     torch.manual_seed(0)
@@ -96,7 +97,8 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
     ck = None
     if repo is not None:
         ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
-                          policy=SearchPolicy(tolerance=tolerance, optimizer=optimizer), ema_batches=min(50, every or 50))
+                          policy=SearchPolicy(tolerance=tolerance, optimizer=optimizer), ema_batches=min(50, every or 50),
+                          exact_resume=exact_resume)
     gen = torch.Generator().manual_seed(1)
     stats = {"train_s": 0.0, "wait_s": 0.0, "resumed_from": -1}
     step = 0
@@ -122,12 +124,15 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
             ck.close()
             ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
-                              policy=SearchPolicy(tolerance=tolerance, optimizer=optimizer), ema_batches=min(50, every or 50))
+                              policy=SearchPolicy(tolerance=tolerance, optimizer=optimizer), ema_batches=min(50, every or 50),
+                          exact_resume=exact_resume)
             step = ck.restore("main") or 0
             stats["resumed_from"] = step
+            stats["resumed_exact"] = float(bool(ck.restored_exact))
             fail_at = None  # fail once: the resumed run passes this step again
             if progress:
-                progress(f"resumed from the compressed checkpoint at step {step}")
+                how = "bit-exact (its restore residual)" if ck.restored_exact else "its compressed values"
+                progress(f"resumed from the checkpoint at step {step}: {how}")
     if ck is not None:
         ck.close()
         stats["search_s"] = sum(t["search_s"] for t in ck.timings)
@@ -183,7 +188,7 @@ def prepare_demo_store(url: str) -> None:
 
 def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fail_at: int | None = 430,
              tolerance: float = 0.02, fresh: bool = True, progress: Callable[[str], None] | None = None,
-             optimizer: str = "compressed") -> DemoResult:
+             optimizer: str = "compressed", exact_resume: int = 1) -> DemoResult:
     """Train, checkpoint, fail, resume and report. ``fresh`` replaces a previous demo store at
     ``url`` (never anything else: see :func:`prepare_demo_store`); without it the demo adds
     versions to whatever store is there. ``optimizer``: "compressed" (the default) or
@@ -196,7 +201,7 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
     if progress:
         progress(f"training {steps} steps, checkpoint every {every} into {url} ...")
     _, reference = train(steps, None, None, None, tolerance)
-    model, stats = train(steps, every, repo, fail_at, tolerance, progress, optimizer)
+    model, stats = train(steps, every, repo, fail_at, tolerance, progress, optimizer, exact_resume)
     rows = []
     usage = {r.snapshot: r for r in repo.du()}
     weights = {r.snapshot: r for r in repo.du(prefix="model/")}
@@ -216,10 +221,11 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
                      "optimizer_stored_bytes": m.new_stored_bytes, "optimizer_ratio": m.ratio,
                      "accuracy": _restored_accuracy(restored, repo, info.id, xte, yte),
                      "live_accuracy": info.metrics.get("live_accuracy"), "baseline": q.baseline_quality})
-    restored.load_state_dict(load_state(repo, "main", prefix="model"))
+    restored.load_state_dict(load_state(repo, "main", prefix="model", exact=False))
     last, last_weights, last_moments = repo.du()[-1], repo.du(prefix="model/")[-1], repo.du(prefix="optimizer/")[-1]
     return DemoResult(rows, stats["accuracy"], reference["accuracy"], _accuracy(restored, xte, yte),
                       last.cumulative_logical_bytes, last.cumulative_stored_bytes, last_weights.cumulative_logical_bytes,
                       last_weights.cumulative_stored_bytes, last_moments.cumulative_logical_bytes,
                       last_moments.cumulative_stored_bytes, stats["train_s"], stats["wait_s"],
-                      stats.get("search_s", 0.0), int(stats["resumed_from"]) if stats["resumed_from"] >= 0 else None)
+                      stats.get("search_s", 0.0), int(stats["resumed_from"]) if stats["resumed_from"] >= 0 else None,
+                      bool(stats.get("resumed_exact", 0.0)))

@@ -160,25 +160,59 @@ class _Both:
         return ChainMap(self.first.plan(tensors, dtypes, previous), self.second.plan(tensors, dtypes, previous))
 
 
-def load_state(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None) -> Any:
+def load_state(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None,
+               exact: bool | None = None) -> Any:
     """The nested state of a version, as torch tensors in the saved structure and dtypes.
 
     ``prefix`` (e.g. ``"model"`` or ``"optimizer/state"``) gives only that part of the state,
     reading only the tensors under it. ``map_location`` (like ``torch.load``'s: a device
-    string or ``torch.device``) moves every tensor there; tied tensors stay one tensor."""
-    return reader_state(repo.checkout(ref), map_location=map_location, prefix=prefix)
+    string or ``torch.device``) moves every tensor there; tied tensors stay one tensor.
+
+    ``exact``: None (the default) returns the exact bits where the version still keeps its
+    restore residual (``Checkpointer(exact_resume=N)``: the N newest versions of a branch) and
+    the stored values otherwise; True requires the residual (a NotFoundError says why there is
+    none); False returns the stored values, as zarr reads them. :func:`load_state_report`
+    also says which one you got."""
+    return load_state_report(repo, ref, map_location=map_location, prefix=prefix, exact=exact)[0]
 
 
-def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = None) -> Any:
+def load_state_report(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None,
+                      exact: bool | None = None) -> tuple[Any, bool]:
+    """:func:`load_state` and whether what it returned is bit-exact (True: every tensor is
+    the saved one; False: quantized tensors hold their stored values)."""
+    if exact not in (None, True, False):
+        raise InvalidInputError(f"Expected exact to be None, True or False. Got {exact!r} instead.")
+    reader = repo.checkout(ref)
+    residual = repo.residual(reader.id) if exact is not False else None
+    if exact is True and residual is None:
+        lossy = any(info.storage == "quantized" for info in reader.arrays().values())
+        if lossy:
+            raise NotFoundError(
+                f"Expected the restore residual of snapshot {reader.id[:12]} for an exact load. Got none "
+                "instead: only the newest versions of a branch keep one (Checkpointer(exact_resume=N)), and "
+                "this one was saved without it or gc has collected it; pass exact=None for the stored values.")
+    state = reader_state(reader, map_location=map_location, prefix=prefix, residual=residual)
+    exact_now = residual is not None or not any(
+        info.storage == "quantized" for info in reader.arrays().values())
+    return state, exact_now
+
+
+def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = None,
+                 residual: Any = None) -> Any:
     device = _device(map_location)
     dtypes = reader.dtypes()
     skeleton = reader.attributes.get(STRUCTURE_ATTR)
     parts = _prefix_parts(prefix)
+
+    def read(path: str) -> np.ndarray:
+        stored = reader.read(path)
+        return stored if residual is None else residual.exact(path, stored)
+
     if skeleton is None:  # written by plain repo.save: a flat dict by path
-        return _flat_state(reader, dtypes, parts, device)
+        return _flat_state(reader, dtypes, parts, device, read)
     node = _subtree(skeleton, parts, reader.id)
     paths = sorted(_leaf_paths(node))
-    tensors = {p: array_to_tensor(reader.read(p), dtypes[p]) for p in paths}
+    tensors = {p: array_to_tensor(read(p), dtypes[p]) for p in paths}
     if device is not None:  # before unflatten: a tied tensor is moved once and stays tied
         tensors = {p: t.to(device) for p, t in tensors.items()}
     return unflatten(node, tensors)
@@ -251,7 +285,8 @@ def _leaf_paths(node: Any) -> set[str]:
     return found
 
 
-def _flat_state(reader: Any, dtypes: Mapping[str, str], parts: list[str], device: Any) -> Any:
+def _flat_state(reader: Any, dtypes: Mapping[str, str], parts: list[str], device: Any,
+                read: Callable[[str], np.ndarray]) -> Any:
     """A store written by plain ``repo.save``: path -> tensor, under ``prefix`` if given
     (paths relative to it; the prefix naming one tensor gives that tensor)."""
     base = "/".join(parts)
@@ -264,7 +299,7 @@ def _flat_state(reader: Any, dtypes: Mapping[str, str], parts: list[str], device
             f"one of {tops} (or prefix=None for everything).")
     out = {}
     for path, key in chosen.items():
-        tensor = array_to_tensor(reader.read(path), dtypes[path])
+        tensor = array_to_tensor(read(path), dtypes[path])
         out[key] = tensor if device is None else tensor.to(device)
     return out.get("", out)
 
@@ -324,10 +359,10 @@ def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str]) -
 
 
 def export_tensors(reader: Any, *, include_all: bool = False,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> dict[str, Any]:
     """What an export writes: the model tensors of a version under their state-dict names
     (without ``model/``), or every tensor under its full path with ``include_all`` (or when
-    the version has no ``model/`` part)."""
+    the version has no ``model/`` part); with the version's ``residual``, the exact bits."""
     dtypes = reader.dtypes()
     names = reader.names()
     model = [p for p in names if p.startswith("model/")]
@@ -335,7 +370,8 @@ def export_tensors(reader: Any, *, include_all: bool = False,
     tensors = {}
     for i, p in enumerate(chosen):
         key = p[len("model/"):] if (p.startswith("model/") and not include_all) else p
-        tensors[key] = array_to_tensor(reader.read(p), dtypes[p])
+        stored = reader.read(p)
+        tensors[key] = array_to_tensor(stored if residual is None else residual.exact(p, stored), dtypes[p])
         if progress:
             progress(p, i + 1, len(chosen))
     return tensors
