@@ -497,17 +497,34 @@ def log(
     as_json: JsonOpt = False,
 ) -> None:
     """Versions of a branch, newest first: time, step, message, metrics."""
-    entries = _open(url).log(branch, limit=limit)
+    entries = _open(url).log(branch, limit=limit)  # reopened below for the residuals (cached)
     if as_json:
         _json([e.to_dict() for e in entries])
         return
-    table = Table("snapshot", "time", "step", "message", "metrics", "config", "search", "moments")
+    repo = _open(url)
+    table = Table("snapshot", "time", "step", "message", "metrics", "config", "search", "moments", "exact")
     for e in entries:
         metrics = " ".join(f"{k}={_number(v)}" for k, v in e.metrics.items())
         cfg, search = _quantization_summary(e.metadata.get("quantization"))
         _row(table, e.id[:12], e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
-             e.message, metrics, cfg, search, _moments_summary(e.metadata.get("moments")))
+             e.message, metrics, cfg, search, _moments_summary(e.metadata.get("moments")),
+             _exact_summary(repo, e))
     out.print(table)
+
+
+def _exact_summary(repo: ins.Repository, info: Any) -> str:
+    """The `log` column: whether a version restores bit-exact, and its residual's bytes."""
+    raw = info.metadata.get("residual")
+    if raw is None:
+        lossy = info.metadata.get("quantization", {}) or {}
+        return "-" if not lossy.get("config") else "no"
+    try:
+        kept = repo.residual(info.id)
+    except InshrinkError:
+        return "(unreadable residual)"
+    if kept is None:
+        return "no (residual collected)"
+    return f"yes ({_size(kept.ref.stored_bytes)})"
 
 
 def _moments_summary(raw: Any) -> str:
@@ -680,14 +697,14 @@ EXPORT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"
 
 
 def _export_torch(reader: ins.SnapshotReader, output: Path, include_all: bool,
-                  progress: Callable[[str, int, int], None]) -> int:
+                  progress: Callable[[str, int, int], None], residual: Any = None) -> int:
     """The tensors export_safetensors would write, as a torch.save'd dict of tensors (no
     other objects: it loads with torch.load(weights_only=True)); temp file, then rename."""
     import torch
 
     from inshrink_store.torch import export_tensors
 
-    tensors = export_tensors(reader, include_all=include_all, progress=progress)
+    tensors = export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
     fd, tmp = tempfile.mkstemp(prefix=output.name, suffix=".tmp", dir=output.parent)
     os.close(fd)
     try:
@@ -706,9 +723,11 @@ def export(
         metavar="OUT", help="Output file; its extension picks the format: .safetensors, or .pt/.pth "
         "(torch.save of a dict of tensors).")],
     all_tensors: Annotated[bool, _flag("--all", help="Also export optimizer state (full paths).")] = False,
+    exact: Annotated[bool, _flag("--exact", help="The exact bits the version was saved from (its restore "
+                                 "residual; only the newest versions of a branch keep one).")] = False,
 ) -> None:
     """Write a version's model tensors to a .safetensors, .pt or .pth file (bit-exact for
-    lossless versions)."""
+    lossless versions, and with --exact for the newest versions of a Checkpointer's branch)."""
     if output.is_dir():
         raise FormatError(
             f"Expected a file path to export to. Got the directory {str(output)!r} instead; name a "
@@ -726,15 +745,22 @@ def export(
             f"{'a file' if parent.exists() else 'no such directory'} instead; create it first "
             "or pick another path."
         )
-    reader = _open(url).checkout(ref)
+    repo = _open(url)
+    reader = repo.checkout(ref)
+    residual = repo.residual(reader.id) if exact else None
+    if exact and residual is None and any(a.storage == "quantized" for a in reader.arrays().values()):
+        raise ins.NotFoundError(
+            f"Expected the restore residual of {ref!r} ({reader.id[:12]}) for --exact. Got none instead: only "
+            "the newest versions of a branch keep one (Checkpointer exact_resume), and gc collects the rest; "
+            "export without --exact for the stored values.")
     with progress_bar("export") as update:
         if fmt == "safetensors":
             from inshrink_store.torch import export_safetensors
 
-            count = export_safetensors(reader, output, include_all=all_tensors, progress=update)
+            count = export_safetensors(reader, output, include_all=all_tensors, progress=update, residual=residual)
         else:
-            count = _export_torch(reader, output, all_tensors, update)
-    _say(out, f"wrote {_n(count, 'tensor')} to ", str(output))
+            count = _export_torch(reader, output, all_tensors, update, residual)
+    _say(out, f"wrote {_n(count, 'tensor')} to ", str(output), " (bit-exact)" if residual is not None else "")
 
 
 def _check_name_mode(kind: str, name: str | None, ref: str | None, delete: bool) -> None:
@@ -923,14 +949,19 @@ def du(
                                   for name, by_id in parts.items()}} for r in rows])
         return
     labels = {"model": "weights overall", "optimizer": "optimizer overall"}
+    residuals = any(r.residual_bytes for r in rows)
     table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio", "overall",
-                  *(labels[name] for name in parts))
+                  *(labels[name] for name in parts), *(["exact resume"] if residuals else []))
     for r in rows:
         _row(table, r.snapshot[:12], r.step if r.step is not None else "-", _size(r.logical_bytes),
              _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
              _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio),
-             *(_ratio(by_id[r.snapshot].cumulative_ratio) for by_id in parts.values()))
+             *(_ratio(by_id[r.snapshot].cumulative_ratio) for by_id in parts.values()),
+             *([_size(r.residual_bytes) if r.residual_bytes else "-"] if residuals else []))
     out.print(table)
+    if residuals:
+        _say(err, "exact resume: the restore residual each newest version keeps (in new stored; gc "
+                  "collects it once the version is no longer among the newest)")
 
 
 @app.command()
@@ -977,6 +1008,10 @@ def demo(
          " smaller (each tensor checked by the update it drives)")
     _say(out, f"whole training state: {_size(result.stored_bytes)} stored for "
               f"{_size(result.logical_bytes)}: ", (f"{total:.1f}x", "bold"), " smaller end to end")
+    if result.residual_bytes:
+        on_disk = result.stored_bytes + result.residual_bytes
+        _say(out, f"exact resume: the newest version's restore residual, {_size(result.residual_bytes)} more "
+                  f"({_size(on_disk)} on disk: {result.logical_bytes / max(on_disk, 1):.1f}x)")
     _say(out, "accuracy restored from the last compressed checkpoint: ", (f"{result.restored_accuracy:.3f}", "bold"),
          f" (uncompressed run: {result.reference_accuracy:.3f})")
     if result.resumed_from_step is not None:

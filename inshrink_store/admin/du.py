@@ -7,9 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from inshrink_store.errors import IntegrityError, NotFoundError
-from inshrink_store.layout import OBJECTS, object_path, tree_path
+from inshrink_store import residual
+from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
+from inshrink_store.layout import OBJECTS, object_path, residual_path, tree_path
 from inshrink_store.parts import StoreParts
+from inshrink_store.residual import ResidualRef
 
 
 @dataclass
@@ -23,6 +25,9 @@ class UsageRow:
     cumulative_logical_bytes: int
     new_objects: int
     delta_objects: int
+    #: bytes of the version's restore residual still in the store (0: none, or collected);
+    #: part of ``new_stored_bytes`` in a whole-store du (no prefix)
+    residual_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -68,13 +73,34 @@ def du(parts: StoreParts, ref: str, prefix: str = "") -> list[UsageRow]:
                 new_bytes += sizes.get(object_path(oid), 0)
                 with contextlib.suppress(IntegrityError, NotFoundError):
                     deltas += parts.objects.header(oid).is_delta
+        residual_bytes = 0 if prefix else _residual_bytes(parts, info, sizes, seen)
+        new_bytes += residual_bytes
         logical = sum(a.logical_bytes for a in arrays)
         cumulative += new_bytes
         cumulative_logical += logical
         rows.append(UsageRow(info.id, info.step, info.message, logical, new_bytes, cumulative,
-                             cumulative_logical, new_objects, deltas))
+                             cumulative_logical, new_objects, deltas, residual_bytes))
 
     return rows
+
+
+def _residual_bytes(parts: StoreParts, info: Any, sizes: dict[str, int], seen: set[str]) -> int:
+    """Bytes of ``info``'s restore residual (document and pieces not counted before) while it
+    is in the store; 0 when it has none or gc collected it."""
+    try:
+        ref = ResidualRef.from_metadata(info.metadata, info.id)
+        if ref is None or residual_path(ref.id) not in sizes:
+            return 0
+        arrays = residual.load(parts.storage, ref.id)
+    except (IntegrityError, NotFoundError, FormatError):
+        return 0
+    total = sizes[residual_path(ref.id)]
+    for array in arrays.values():
+        for oid in array.pieces:
+            if oid not in seen:
+                seen.add(oid)
+                total += sizes.get(object_path(oid), 0)
+    return total
 
 
 def stored_bytes(parts: StoreParts, ref: str) -> dict[str, int]:

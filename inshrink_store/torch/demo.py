@@ -54,7 +54,8 @@ def make_model(hidden: int = 512) -> Any:
 @dataclass
 class DemoResult:
     """``rows``: one per version, oldest first; ``accuracy`` there is the restored
-    checkpoint's, ``live_accuracy`` the live model's when it was saved."""
+    checkpoint's, ``live_accuracy`` the live model's when it was saved. ``stored_bytes``:
+    every version's arrays; ``residual_bytes``: the restore residual kept beside them."""
 
     rows: list[dict[str, Any]]
     final_accuracy: float
@@ -71,6 +72,7 @@ class DemoResult:
     search_s: float
     resumed_from_step: int | None
     resumed_exact: bool = False  # the resume loaded the exact bits (the version's restore residual)
+    residual_bytes: int = 0  # the restore residuals still in the store (the newest version's)
 
 
 def _accuracy(model: Any, x: Any, y: Any) -> float:
@@ -215,17 +217,21 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
                      "config": None if q.config is None else q.config.to_dict(),
                      "search": None if q.search is None else q.search.mode,
                      "evaluations": 0 if q.search is None else q.search.evaluations,
-                     "stored_bytes": u.new_stored_bytes, "logical_bytes": u.logical_bytes,
-                     "ratio": u.ratio, "deltas": u.delta_objects,
+                     "stored_bytes": u.new_stored_bytes - u.residual_bytes, "logical_bytes": u.logical_bytes,
+                     "ratio": u.logical_bytes / max(u.new_stored_bytes - u.residual_bytes, 1),
+                     "residual_bytes": u.residual_bytes, "deltas": u.delta_objects,
                      "model_stored_bytes": w.new_stored_bytes, "model_ratio": w.ratio,
                      "optimizer_stored_bytes": m.new_stored_bytes, "optimizer_ratio": m.ratio,
                      "accuracy": _restored_accuracy(restored, repo, info.id, xte, yte),
                      "live_accuracy": info.metrics.get("live_accuracy"), "baseline": q.baseline_quality})
     restored.load_state_dict(load_state(repo, "main", prefix="model", exact=False))
-    last, last_weights, last_moments = repo.du()[-1], repo.du(prefix="model/")[-1], repo.du(prefix="optimizer/")[-1]
+    whole = repo.du()
+    last, last_weights, last_moments = whole[-1], repo.du(prefix="model/")[-1], repo.du(prefix="optimizer/")[-1]
+    residual_bytes = sum(r.residual_bytes for r in whole)
     return DemoResult(rows, stats["accuracy"], reference["accuracy"], _accuracy(restored, xte, yte),
-                      last.cumulative_logical_bytes, last.cumulative_stored_bytes, last_weights.cumulative_logical_bytes,
+                      last.cumulative_logical_bytes, last.cumulative_stored_bytes - residual_bytes,
+                      last_weights.cumulative_logical_bytes,
                       last_weights.cumulative_stored_bytes, last_moments.cumulative_logical_bytes,
                       last_moments.cumulative_stored_bytes, stats["train_s"], stats["wait_s"],
                       stats.get("search_s", 0.0), int(stats["resumed_from"]) if stats["resumed_from"] >= 0 else None,
-                      bool(stats.get("resumed_exact", 0.0)))
+                      bool(stats.get("resumed_exact", 0.0)), residual_bytes)

@@ -378,8 +378,9 @@ def export_tensors(reader: Any, *, include_all: bool = False,
 
 
 def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
-                       progress: Callable[[str, int, int], None] | None = None) -> int:
-    """Model tensors (names without the ``model/`` prefix) of a version to a safetensors file."""
-    tensors = export_tensors(reader, include_all=include_all, progress=progress)
+                       progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> int:
+    """Model tensors (names without the ``model/`` prefix) of a version to a safetensors file
+    (the exact bits with the version's ``residual``)."""
+    tensors = export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
     save_safetensors(tensors, path)
     return len(tensors)
