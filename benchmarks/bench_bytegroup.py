@@ -1,4 +1,6 @@
-"""Lossless float chunks: ``inshrink.bytegroup`` vs today's Blosc zstd + shuffle, plain zstd, ZipNN.
+"""Lossless float chunks: ``inshrink.bytegroup`` (format 1 and 2) vs Blosc zstd + shuffle (the
+store's lossless codec before format 2), plain zstd, ZipNN. The store-level comparison on a
+real pretrained model is ``bench_lossless.py``.
 
 Inputs (seeded, CPU only, nothing downloaded): the weights of a 64-2048-2048-10 MLP trained
 for a few Adam steps on sklearn's digits, as float32 and cast to bfloat16 (uint16 bits),
@@ -71,15 +73,16 @@ def methods(dtype: str) -> dict[str, Method]:
     blosc.blocksize = 0
     zc, zd = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
     out: dict[str, Method] = {
-        "blosc zstd-3 shuffle (today)": (lambda c, b: bytes(blosc.encode(c)),
+        "blosc zstd-3 shuffle (the store before)": (lambda c, b: bytes(blosc.encode(c)),
                                          lambda e, b: bytes(blosc.decode(e))),
         "zstd-3": (lambda c, b: zc.compress(c.tobytes()), lambda e, b: zd.decompress(e)),
     }
-    for level in (1, 3):
-        codec = ByteGroup(dtype, level=level)
-        out[f"bytegroup level {level}"] = (lambda c, b, k=codec: k.encode(c),
+    for coder, level in (("zstd", 1), ("zstd", 3), ("zstd+huffman", 1)):
+        codec = ByteGroup(dtype, level=level, coder=coder)
+        name = f"bytegroup {coder} level {level}" + (" (the store)" if coder != "zstd" else "")
+        out[name] = (lambda c, b, k=codec: k.encode(c),
                                            lambda e, b, k=codec: k.decode(e).tobytes())
-        out[f"bytegroup level {level} XOR parent"] = (lambda c, b, k=codec: k.encode(c, base=b),
+        out[f"{name} XOR parent"] = (lambda c, b, k=codec: k.encode(c, base=b),
                                                       lambda e, b, k=codec: k.decode(e, base=b).tobytes())
     zipnn = load_zipnn()
     if zipnn is not None:

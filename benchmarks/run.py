@@ -3,7 +3,9 @@
     python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; 1-5 min on 2 cores)
     python benchmarks/run.py --quick    # small sizes, to check the harness (about a minute)
 
-Sections: the lossless store vs torch.save and safetensors; quantization vs int8 + zstd
+Sections: the lossless store vs torch.save and safetensors; lossless floats of a real
+pretrained model (CREPE, from the ``bench`` extra) vs ZipNN, byte-grouped zstd, Blosc,
+torch.save and safetensors; quantization vs int8 + zstd
 and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory); the
 delta codec's throughput; a
 real training run checkpointing into the store (with and without regrouping and
@@ -28,6 +30,7 @@ STARTED = time.perf_counter()  # before the benchmark modules (and torch) are im
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_delta  # noqa: E402
+import bench_lossless  # noqa: E402
 import bench_moments  # noqa: E402
 import bench_quantization  # noqa: E402
 import bench_store  # noqa: E402
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [
         ("Lossless store vs torch.save and safetensors", "lossless store",
          lambda: bench_store.markdown(bench_store.run(target_mb=20 if args.quick else 100))),
+        ("Lossless floats: the store vs ZipNN, zstd, torch.save, safetensors", "lossless floats",
+         lambda: bench_lossless.to_markdown(bench_lossless.run(quick=args.quick))),
         ("Quantization vs int8 + zstd and lossless zstd", "quantization",
          lambda: bench_quantization.to_markdown(bench_quantization.run(quick=args.quick))),
         ("Delta codec throughput", "delta codec",

@@ -163,14 +163,17 @@ def _word(bits: int) -> np.dtype[Any]:
 
 def pack_ranks(ranks: np.ndarray, bits: int) -> np.ndarray:
     """Ranks (< 2**bits) -> bytes holding ``8 // bits`` of them, the first in the lowest bits."""
+    if bits == 1:
+        return np.packbits(ranks, bitorder="little")
     per = 8 // bits
-    padded = np.zeros(-(-ranks.size // per) * per, np.uint8)
-    padded[: ranks.size] = ranks
-    words = padded.view(_word(bits))  # rank j of a group sits at bit 8j of its word
-    packed = np.zeros(words.size, _word(bits))
-    mask = (1 << bits) - 1
-    for j in range(per):
-        packed |= (words >> (j * (8 - bits))) & (mask << (j * bits))
+    if ranks.size % per:
+        padded = np.zeros(-(-ranks.size // per) * per, np.uint8)
+        padded[: ranks.size] = ranks
+        ranks = padded
+    words = ranks.view(_word(bits))  # rank j of a group sits at bit 8j of its word
+    packed = words & _word(bits).type((1 << bits) - 1)
+    for j in range(1, per):
+        packed |= (words >> (j * (8 - bits))) & ((1 << bits) - 1 << (j * bits))
     return packed.astype(np.uint8)
 
 
@@ -185,26 +188,27 @@ def unpack_ranks(packed: np.ndarray, bits: int, size: int) -> np.ndarray:
     return words.view(np.uint8)[:size]
 
 
-def _ranks(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """(bits, table, ranks, escaped mask): the commonest values of ``hist`` (a sample's) get
-    ranks in table order (commonest first, ties by value); values outside the table take
-    rank len(table), the escape. Bits are the fewest that hold the ranks (and the escape
-    when there are escapes)."""
+def _ranks(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(bits, table, ranks, escaped mask or None): the commonest values of ``hist`` (a
+    sample's) get ranks in table order (commonest first, ties by value); values outside the
+    table take rank len(table), the escape. Bits are the fewest that hold the ranks (and the
+    escape when there are escapes)."""
     distinct = int(np.count_nonzero(hist))
     bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
     table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)
-    rank_of = np.full(256, 255, np.uint8)
-    rank_of[table] = np.arange(table.size, dtype=np.uint8)
-    ranks = rank_of[data]
-    escaped = ranks == 255
-    if table.size == 1 << bits and escaped.any():  # no rank left for the escape
-        if bits < RANK_BITS[-1]:
+    while True:
+        rank_of = np.full(256, table.size, np.uint8)
+        rank_of[table] = np.arange(table.size, dtype=np.uint8)
+        ranks = np.take(rank_of, data)
+        escaped = ranks == table.size
+        if not escaped.any():
+            return bits, table, ranks, None
+        if table.size < 1 << bits:
+            return bits, table, ranks, escaped
+        if bits < RANK_BITS[-1]:  # no rank left for the escape: widen, or drop the rarest value
             bits = RANK_BITS[RANK_BITS.index(bits) + 1]
         else:
             table = table[:-1]
-            escaped |= ranks == table.size
-    ranks[escaped] = table.size
-    return bits, table, ranks, escaped
 
 
 def pack(data: np.ndarray, hist: np.ndarray, level: int) -> bytes:
@@ -213,7 +217,7 @@ def pack(data: np.ndarray, hist: np.ndarray, level: int) -> bytes:
     as escapes in order. The packed ranks and the escapes are each coded raw, zstd or
     Huffman, so the bytes depend on the data only."""
     bits, table, ranks, escaped = _ranks(data, hist)
-    escapes = data[escaped]
+    escapes = data[escaped] if escaped is not None else np.zeros(0, np.uint8)
     p_coder, p_body = encode_stream(pack_ranks(ranks, bits), level)
     e_coder, e_body = encode_stream(escapes, level)
     head = PACKED_HEADER.pack(bits, table.size, p_coder, len(p_body), e_coder, escapes.size, len(e_body))
@@ -248,6 +252,6 @@ def unpack(body: bytes | memoryview, size: int, what: str) -> np.ndarray:
     escaped = ranks >= k
     if int(np.count_nonzero(escaped)) != n_esc:
         raise FormatError(f"Expected {n_esc} escaped elements in {what}. Got {int(np.count_nonzero(escaped))} instead.")
-    out = table[ranks]
+    out = np.take(table, ranks)
     out[escaped] = escapes
     return out

