@@ -193,10 +193,11 @@ class Repository:
         read until you index it."""
         return self._parts.checkout(ref)
 
-    def residual(self, ref: str = DEFAULT_BRANCH) -> Residual | None:
+    def residual(self, ref: str = DEFAULT_BRANCH, *, missing_ok: bool = True) -> Residual | None:
         """The restore residual of a version (what turns its quantized tensors back into the
         exact bits), or None: it was saved without one, or is no longer among the newest
-        versions of its branch and gc collected it."""
+        versions of its branch and gc collected it. ``missing_ok=False`` raises the
+        NotFoundError naming the missing document instead of returning None."""
         info = self.snapshot(ref)
         found = ResidualRef.from_metadata(info.metadata, info.id)
         if found is None:
@@ -204,7 +205,9 @@ class Repository:
         try:
             return Residual(self._parts.objects, found, residual.load(self._parts.storage, found.id))
         except NotFoundError:
-            return None
+            if missing_ok:
+                return None
+            raise
 
     def snapshot_store(self, ref: str = DEFAULT_BRANCH) -> InshrinkStore:
         """A read-only zarr Store of one version: ``zarr.open_group(store=...)`` just works."""
@@ -258,7 +261,11 @@ class Repository:
         """
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
         check_planner(quantize)
-        if not isinstance(exact_resume, int) or isinstance(exact_resume, bool) or exact_resume < 0:
+        if residual.META_KEY in metadata:
+            raise InvalidInputError(
+                f"Expected metadata without the key {residual.META_KEY!r}: the store names a version's restore "
+                "residual there. Got it in the metadata given instead; rename that key.")
+        if type(exact_resume) is not int or exact_resume < 0:
             raise InvalidInputError(
                 f"Expected exact_resume to be an int >= 0 (newest versions kept bit-exact; 0: none). Got "
                 f"{exact_resume!r} instead.")

@@ -11,11 +11,14 @@ stored values; only :func:`apply` (``load_state(exact=True)``, ``Checkpointer.re
 uses it. Layout, one canonical JSON document per version at ``residuals/<2 hex>/<30 hex>``
 (id = xxh3-128 of its bytes)::
 
-    {"format": 1, "arrays": {path: {"dtype": "F32", "shape": [..], "pieces": [object id, ...]}}}
+    {"format": 1, "arrays": {path: {"dtype": "F32", "shape": [..], "pieces": [object id, ...],
+                                    "checksum": xxh3-64 of the exact bits, as 16 hex digits}}}
 
 Each piece is a chunk object holding an ``inshrink.bytegroup`` encoding of up to
 :data:`PIECE_BYTES` of the flat XOR bits: in a well-quantized tensor the sign and exponent
-bytes mostly XOR to zero and code to almost nothing, the low mantissa bytes stay raw. The
+bytes mostly XOR to zero and code to almost nothing, the low mantissa bytes stay raw (a
+tensor stored exactly has no pieces). The checksum of the exact bits is checked after the
+XOR, so a damaged or forged residual is an error, never silently wrong numbers. The
 version's snapshot metadata names the document (``metadata["residual"]``, see
 :class:`ResidualRef`); the document and its pieces are written before the snapshot, under
 the writer's lease, so a version whose residual gc keeps never lacks one.
@@ -23,11 +26,13 @@ the writer's lease, so a version whose residual gc keeps never lacks one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ObjectStore
@@ -86,6 +91,11 @@ class ResidualArray:
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[str, ...]
+    checksum: str  # xxh3-64 of the exact bits, 16 hex digits
+
+
+def _checksum(bits: np.ndarray) -> str:
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(bits).view(np.uint8).data)
 
 
 class ResidualWriter:
@@ -101,8 +111,11 @@ class ResidualWriter:
         Only float dtypes have a residual; an exact tensor adds nothing."""
         if dtype not in CODED or original.shape != stored.shape:
             return
-        xor = np.bitwise_xor(_bits(original, dtype), _bits(stored, dtype))
-        if not xor.any():
+        exact = _bits(original, dtype)
+        xor = np.bitwise_xor(exact, _bits(stored, dtype))
+        checksum = _checksum(exact)
+        if not xor.any():  # stored exactly: listed with no pieces, so the residual covers it
+            self.arrays[path] = ResidualArray(dtype, tuple(original.shape), (), checksum)
             return
         codec = ByteGroup(dtype=CODED[dtype])
         per_piece = max(1, PIECE_BYTES // xor.itemsize)
@@ -111,15 +124,16 @@ class ResidualWriter:
             put = self.objects.put(codec.encode(xor[start:start + per_piece]))
             self.stored_bytes += put.stored_bytes
             pieces.append(put.oid)
-        self.arrays[path] = ResidualArray(dtype, tuple(original.shape), tuple(pieces))
+        self.arrays[path] = ResidualArray(dtype, tuple(original.shape), tuple(pieces), checksum)
 
     def document(self) -> bytes:
         return canonical_json({"format": 1, "arrays": {
-            p: {"dtype": a.dtype, "shape": list(a.shape), "pieces": list(a.pieces)}
+            p: {"dtype": a.dtype, "shape": list(a.shape), "pieces": list(a.pieces), "checksum": a.checksum}
             for p, a in sorted(self.arrays.items())}})
 
     def write(self, storage: Storage, keep_newest: int) -> ResidualRef | None:
-        """Store the document (before the snapshot that will name it); None if nothing differs."""
+        """Store the document (before the snapshot that will name it); None if nothing was
+        quantized."""
         if not self.arrays:
             return None
         data = self.document()
@@ -145,14 +159,16 @@ def load(storage: Storage, rid: str) -> dict[str, ResidualArray]:
     out = {}
     for path, entry in arrays.items():
         where = f"residual {rid}, array {path!r}"
-        ok = (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "pieces"} and entry["dtype"] in CODED
-              and isinstance(entry["shape"], list)
+        ok = (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "pieces", "checksum"}
+              and entry["dtype"] in CODED and isinstance(entry["shape"], list)
               and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry["shape"])
-              and isinstance(entry["pieces"], list))
+              and isinstance(entry["pieces"], list) and isinstance(entry["checksum"], str)
+              and re.fullmatch(r"[0-9a-f]{16}", entry["checksum"]) is not None)
         if not ok:
-            raise IntegrityError(f"Expected dtype, shape and pieces in {where}. Got {entry!r:.160} instead.")
+            raise IntegrityError(f"Expected dtype, shape, pieces and checksum in {where}. Got {entry!r:.160} "
+                                 "instead.")
         pieces = tuple(check_id(oid, "object", where) for oid in entry["pieces"])
-        out[str(path)] = ResidualArray(entry["dtype"], tuple(entry["shape"]), pieces)
+        out[str(path)] = ResidualArray(entry["dtype"], tuple(entry["shape"]), pieces, entry["checksum"])
     return out
 
 
@@ -162,8 +178,12 @@ def apply(objects: ObjectStore, array: ResidualArray, stored: np.ndarray, path: 
     if tuple(stored.shape) != array.shape:
         raise IntegrityError(f"Expected tensor {path!r} of shape {array.shape} for its residual. Got "
                              f"{tuple(stored.shape)} instead.")
-    codec = ByteGroup(dtype=CODED[array.dtype])
+    carrier = dtype_registry.get(array.dtype).carrier
+    if np.asarray(stored).dtype != carrier:
+        raise IntegrityError(f"Expected tensor {path!r} to be carried as {carrier} like its residual "
+                             f"({array.dtype}). Got {np.asarray(stored).dtype} instead: the residual is corrupt.")
     bits = _bits(stored, array.dtype).copy()
+    codec = ByteGroup(dtype=CODED[array.dtype])
     offset = 0
     for oid in array.pieces:
         try:
@@ -175,10 +195,13 @@ def apply(objects: ObjectStore, array: ResidualArray, stored: np.ndarray, path: 
                                  "Got more instead.")
         bits[offset:offset + piece.size] ^= piece
         offset += piece.size
-    if offset != bits.size:
+    if offset != bits.size and array.pieces:
         raise IntegrityError(f"Expected the residual pieces of {path!r} to cover {bits.size} elements. Got "
                              f"{offset} instead.")
-    carrier = dtype_registry.get(array.dtype).carrier
+    if _checksum(bits) != array.checksum:
+        raise IntegrityError(
+            f"Expected {path!r} with its residual to match the checksum of the saved bits ({array.checksum}). "
+            f"Got {_checksum(bits)} instead: the residual or the stored tensor is damaged. Run `inshrink verify`.")
     return bits.view(carrier).reshape(array.shape)
 
 
@@ -191,6 +214,10 @@ class Residual:
 
     def __contains__(self, path: object) -> bool:
         return path in self.arrays
+
+    def covers(self, quantized: list[str]) -> bool:
+        """Whether every one of the version's ``quantized`` tensors comes back exact with it."""
+        return all(path in self.arrays for path in quantized)
 
     def exact(self, path: str, stored: np.ndarray) -> np.ndarray:
         """``stored`` itself when ``path`` has no residual (it is exact), else the exact bits."""

@@ -20,12 +20,14 @@ import numpy as np
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store import leases
-from inshrink_store.errors import ConflictError, InvalidInputError
+from inshrink_store import residual as residual_module
+from inshrink_store.codecs.nuq import quantizer
+from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
 from inshrink_store.history import SnapshotInfo
 from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parts import StoreParts
-from inshrink_store.residual import META_KEY, ResidualWriter
+from inshrink_store.residual import META_KEY, ResidualRef, ResidualWriter
 from inshrink_store.writer import ArrayPlan, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
@@ -64,7 +66,7 @@ class _Recording(Mapping[str, ArrayPlan]):
         plan = self._plans[path]
         original = np.asarray(self._tensors[path])
         name = dtype_registry.of_array(original, self._dtypes.get(path), path).name
-        self._residual.add(path, original, np.asarray(plan.values), name)
+        self._residual.add(path, original, _as_stored(plan, name), name)
         return plan
 
     def __iter__(self) -> Any:
@@ -75,6 +77,19 @@ class _Recording(Mapping[str, ArrayPlan]):
 
     def __contains__(self, path: object) -> bool:
         return path in self._plans
+
+
+def _as_stored(plan: ArrayPlan, name: str) -> np.ndarray:
+    """The values a reader will get back for ``plan``: its values, except that a NaN or Inf
+    the codec keeps as a protected value comes back in the protected dtype (a NaN payload
+    can change), so those tensors go through the codec once."""
+    values = np.asarray(plan.values)
+    entry = dtype_registry.get(name)
+    codec = plan.serializer
+    if not entry.is_float or not hasattr(codec, "codebook") or np.isfinite(entry.to_float32(values)).all():
+        return values
+    q = quantizer(tuple(codec.codebook), codec.tolerance, codec.protected_dtype, str(entry.codec_name))
+    return np.asarray(q.decode(q.encode(values.reshape(-1)))).reshape(values.shape)
 
 
 class _RecordingPlanner:
@@ -160,8 +175,14 @@ class WriteSession:
             raise ConflictError("Expected an open transaction. Got one already committed instead.")
         lease = self._require_open()
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
+        if META_KEY in metadata:
+            raise InvalidInputError(
+                f"Expected metadata without the key {META_KEY!r}: the store names a version's restore residual "
+                "there. Got it in the metadata given instead; rename that key.")
         storage = self._parts.storage
         if self.residual is not None:
+            if self.inherit:
+                self._inherit_residual()
             ref = self.residual.write(storage, keep_residual)
             if ref is not None:
                 metadata = {**metadata, META_KEY: ref.to_dict()}
@@ -189,6 +210,25 @@ class WriteSession:
         self.committed = self._parts.history.get(snap.id)
         self.abort()  # committed: the lease is no longer needed
         return self.committed
+
+    def _inherit_residual(self) -> None:
+        """Tensors this session inherited unchanged from its parent keep the parent's residual
+        entries (the same stored chunks need the same residual to come back exact)."""
+        assert self.residual is not None
+        if self.parent_view is None or self.parent is None:
+            return
+        ref = ResidualRef.from_metadata(self._parts.history.get(self.parent).metadata, self.parent)
+        if ref is None:
+            return
+        try:
+            parent_arrays = residual_module.load(self._parts.storage, ref.id)
+        except InshrinkError:
+            return  # collected or unreadable: those tensors are simply not exact here
+        ours = self.view.build_trees()[0].nodes
+        theirs = {path: tid for path, (tid, _tree) in self.parent_view.node_trees().items()}
+        for path, array in parent_arrays.items():
+            if path not in self.residual.arrays and path in ours and ours[path] == theirs.get(path):
+                self.residual.arrays[path] = array
 
     def _require_open(self) -> leases.HeldLease:
         if self.lease is None:

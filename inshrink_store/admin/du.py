@@ -94,6 +94,9 @@ def _residual_bytes(parts: StoreParts, info: Any, sizes: dict[str, int], seen: s
         arrays = residual.load(parts.storage, ref.id)
     except (IntegrityError, NotFoundError, FormatError):
         return 0
+    if ref.id in seen:  # a document two versions share counts once
+        return 0
+    seen.add(ref.id)
     total = sizes[residual_path(ref.id)]
     for array in arrays.values():
         for oid in array.pieces:

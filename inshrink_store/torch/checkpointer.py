@@ -269,7 +269,7 @@ class Checkpointer:
                 f"Expected lossless=True alone: it stores every tensor bit-exact, with no search. Got "
                 f"{', '.join(given)} as well instead; drop lossless=True to quantize, or drop {given[0]}."
             )
-        if not _positive_int(exact_resume) and exact_resume != 0:
+        if type(exact_resume) is not int or exact_resume < 0:
             raise InvalidInputError(
                 f"Expected exact_resume to be an int >= 0 (the newest versions that resume bit-exact; 0 "
                 f"turns it off). Got {exact_resume!r} instead.")

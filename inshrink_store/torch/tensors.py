@@ -8,6 +8,7 @@ several names) are stored once and come back as one tensor. Files are read with
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -17,10 +18,17 @@ from typing import Any
 import numpy as np
 
 from inshrink_store import dtypes
-from inshrink_store.errors import FormatError, InvalidInputError, NotFoundError, require
+from inshrink_store.errors import (
+    FormatError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    require,
+)
 from inshrink_store.structure import flatten, unflatten
 
 torch = require("torch", "torch")
+log = logging.getLogger(__name__)
 
 STRUCTURE_ATTR = "inshrink_structure"
 
@@ -180,21 +188,33 @@ def load_state_report(repo: Any, ref: str = "main", *, map_location: Any = None,
                       exact: bool | None = None) -> tuple[Any, bool]:
     """:func:`load_state` and whether what it returned is bit-exact (True: every tensor is
     the saved one; False: quantized tensors hold their stored values)."""
-    if exact not in (None, True, False):
+    if exact not in (None, True, False) or isinstance(exact, int) and not isinstance(exact, bool):
         raise InvalidInputError(f"Expected exact to be None, True or False. Got {exact!r} instead.")
     reader = repo.checkout(ref)
-    residual = repo.residual(reader.id) if exact is not False else None
-    if exact is True and residual is None:
-        lossy = any(info.storage == "quantized" for info in reader.arrays().values())
-        if lossy:
+    quantized = [p for p, info in reader.arrays().items() if info.storage == "quantized"]
+    residual = None
+    if exact is True and quantized:
+        try:
+            residual = repo.residual(reader.id, missing_ok=False)
+        except NotFoundError as exc:
             raise NotFoundError(
-                f"Expected the restore residual of snapshot {reader.id[:12]} for an exact load. Got none "
-                "instead: only the newest versions of a branch keep one (Checkpointer(exact_resume=N)), and "
-                "this one was saved without it or gc has collected it; pass exact=None for the stored values.")
+                f"Expected the restore residual of snapshot {reader.id[:12]} for an exact load. Got {exc} "
+                "Pass exact=None for the stored values; `inshrink verify` says whether it should be there."
+            ) from None
+        if residual is None or not residual.covers(quantized):
+            raise NotFoundError(
+                f"Expected the restore residual of snapshot {reader.id[:12]} for an exact load. Got "
+                f"{'none' if residual is None else 'one that covers only some of its quantized tensors'} "
+                "instead: only the newest versions of a branch keep one (Checkpointer(exact_resume=N)), and this "
+                "one was saved without it or gc has collected it; pass exact=None for the stored values.")
+    elif exact is None and quantized:
+        try:
+            residual = repo.residual(reader.id)
+        except IntegrityError as exc:  # a malformed reference: the stored values, and say so
+            log.warning("snapshot %s: its restore residual is unreadable (%s); returning the stored values",
+                        reader.id[:12], exc)
     state = reader_state(reader, map_location=map_location, prefix=prefix, residual=residual)
-    exact_now = residual is not None or not any(
-        info.storage == "quantized" for info in reader.arrays().values())
-    return state, exact_now
+    return state, not quantized or (residual is not None and residual.covers(quantized))
 
 
 def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = None,
