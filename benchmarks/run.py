@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 STARTED = time.perf_counter()  # before the benchmark modules (and torch) are imported
+LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -99,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Produced by `{command}` on {datetime.date.today().isoformat()}. The whole command ran "
         f"for {time.perf_counter() - STARTED:.0f} s of wall clock on the machine below, imports "
         f"included (sections in order: {', '.join(took)}); other jobs on the same cores make it "
-        "slower.",
+        f"slower (1-minute load average {LOAD_AT_START:.1f} when it started, "
+        f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan'):.1f} when it ended; "
+        f"{os.cpu_count()} means both cores busy).",
         "",
         f"Machine: {machine()}. The machine is shared, so treat speeds as within ±30 %; "
         "ratios and errors are exact and reproducible (every input is seeded).",
