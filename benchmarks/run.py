@@ -1,6 +1,6 @@
 """The one benchmark command: every comparison side by side, written to docs/benchmarks.md.
 
-    python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; 1-5 min on 2 cores)
+    python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; 10-15 min on 2 cores)
     python benchmarks/run.py --quick    # small sizes, to check the harness (about a minute)
 
 Sections: the lossless store vs torch.save and safetensors; lossless floats of a real
@@ -10,7 +10,8 @@ and lossless zstd (ratio, error, accuracy of a trained model, throughput, memory
 delta codec's throughput; a
 real training run checkpointing into the store (with and without regrouping and
 deltas); the whole training state with Adam's moments compressed vs lossless, and
-training resumed from compressed moments (a plot in docs/img/). The entropy-coder study has its own command (``bench_entropy_coders.py``)
+training resumed from compressed moments (a plot in docs/img/); ten failures in one run,
+resumed exactly and lossily (a plot). The entropy-coder study has its own command (``bench_entropy_coders.py``)
 and page (``docs/understanding/deltas.md``): it is research, not a target.
 Timings are wall clock on whatever machine runs this; the page records which.
 """
@@ -31,6 +32,7 @@ LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_delta  # noqa: E402
+import bench_fault_tolerance  # noqa: E402
 import bench_lossless  # noqa: E402
 import bench_moments  # noqa: E402
 import bench_quantization  # noqa: E402
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
          lambda: bench_training.to_markdown(bench_training.run(quick=args.quick))),
         ("The whole training state: Adam moments compressed", "moments",
          lambda: bench_moments.markdown(quick=args.quick)),
+        ("Ten failures in one run: exact and lossy resumes", "fault tolerance",
+         lambda: bench_fault_tolerance.markdown(quick=args.quick)),
     ]
     for title, label, step in steps:
         t0 = time.perf_counter()
