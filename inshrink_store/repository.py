@@ -33,7 +33,7 @@ from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit
 from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
 from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name
-from inshrink_store.residual import Residual, ResidualRef
+from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
 from inshrink_store.session import Planner, WriteSession, check_planner, open_session
 from inshrink_store.storage import Storage
 from inshrink_store.zarr_store import InshrinkStore
@@ -265,9 +265,10 @@ class Repository:
             raise InvalidInputError(
                 f"Expected metadata without the key {residual.META_KEY!r}: the store names a version's restore "
                 "residual there. Got it in the metadata given instead; rename that key.")
-        if type(exact_resume) is not int or exact_resume < 0:
+        if type(exact_resume) is not int or not 0 <= exact_resume <= MAX_KEEP_NEWEST:
             raise InvalidInputError(
-                f"Expected exact_resume to be an int >= 0 (newest versions kept bit-exact; 0: none). Got "
+                f"Expected exact_resume to be an int in 0..{MAX_KEEP_NEWEST} (newest versions kept bit-exact; 0: "
+                f"none). Got "
                 f"{exact_resume!r} instead.")
         with self.transaction(branch, parent=parent, inherit=False, gc_wait=gc_wait, on_wait=on_wait) as tx:
             tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress,
@@ -300,6 +301,15 @@ class Repository:
         Refs naming missing snapshots are reported in ``GcReport.dangling``."""
         return admin.gc(self._parts, keep_last=keep_last, dry_run=dry_run, progress=progress,
                         stale_after=stale_after, wait=wait, on_wait=on_wait)
+
+    def gc_residuals(self, *, dry_run: bool = False, stale_after: float = leases.STALE_AFTER, wait: float = 0.0,
+                     on_wait: Callable[[str], None] | None = None) -> admin.GcReport:
+        """Drop only the restore residuals no version keeps any more (outside the newest
+        ``exact_resume`` of every branch), reading a few documents instead of the whole
+        history; a full :meth:`gc` does this too. The same lease protocol as ``gc``."""
+        collector = admin.GarbageCollector(self._parts, stale_after=stale_after, wait=wait, on_wait=on_wait,
+                                           residuals_only=True)
+        return collector.run(dry_run=dry_run)
 
     def garbage_collector(self, keep_last: int | None = None, **options: Any) -> admin.GarbageCollector:
         """A gc run in explicit steps (``start``, ``mark``, ``sweep``, ``finish``)."""

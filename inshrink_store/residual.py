@@ -27,7 +27,7 @@ the writer's lease, so a version whose residual gc keeps never lacks one.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,12 @@ from inshrink_store.manifest import canonical_json, content_id, parse_document
 from inshrink_store.storage import Storage
 
 PIECE_BYTES = 4 << 20
+#: every piece object starts with this, so no array chunk can ever be a residual piece: a
+#: residual-only sweep may delete a dropped residual's pieces without marking every chunk
+PIECE_MAGIC = b"IRP\x01"
 META_KEY = "residual"
+#: the most versions of a branch that keep their residual (``exact_resume`` is capped here)
+MAX_KEEP_NEWEST = 64
 #: logical dtype -> the bytegroup element dtype its bits are coded as
 CODED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -81,8 +86,10 @@ class ResidualRef:
             raise IntegrityError(f"Expected {where} to hold id, keep_newest, stored_bytes and arrays. Got "
                                  f"{raw!r:.120} instead.")
         numbers = [raw["keep_newest"], raw["stored_bytes"], raw["arrays"]]
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
-            raise IntegrityError(f"Expected whole numbers >= 0 in {where}. Got {numbers} instead.")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers) or \
+                numbers[0] > MAX_KEEP_NEWEST:
+            raise IntegrityError(f"Expected whole numbers >= 0 in {where} (keep_newest at most "
+                                 f"{MAX_KEEP_NEWEST}). Got {numbers} instead.")
         return cls(check_id(raw["id"], "residual", where), *numbers)
 
 
@@ -121,7 +128,7 @@ class ResidualWriter:
         per_piece = max(1, PIECE_BYTES // xor.itemsize)
         pieces = []
         for start in range(0, xor.size, per_piece):
-            put = self.objects.put(codec.encode(xor[start:start + per_piece]))
+            put = self.objects.put(PIECE_MAGIC + codec.encode(xor[start:start + per_piece]))
             self.stored_bytes += put.stored_bytes
             pieces.append(put.oid)
         self.arrays[path] = ResidualArray(dtype, tuple(original.shape), tuple(pieces), checksum)
@@ -187,7 +194,11 @@ def apply(objects: ObjectStore, array: ResidualArray, stored: np.ndarray, path: 
     offset = 0
     for oid in array.pieces:
         try:
-            piece = np.asarray(codec.decode(objects.get(oid))).view(bits.dtype).reshape(-1)
+            payload = objects.get(oid)
+            if payload[:len(PIECE_MAGIC)] != PIECE_MAGIC:
+                raise FormatError(f"Expected a residual piece starting with {PIECE_MAGIC!r}. Got "
+                                  f"{bytes(payload[:4])!r} instead.")
+            piece = np.asarray(codec.decode(payload[len(PIECE_MAGIC):])).view(bits.dtype).reshape(-1)
         except FormatError as exc:
             raise IntegrityError(f"Expected residual piece {oid} of {path!r} to decode. Got {exc} instead.") from None
         if offset + piece.size > bits.size:
@@ -224,6 +235,28 @@ class Residual:
         if path not in self.arrays:
             return stored
         return apply(self.objects, self.arrays[path], stored, path)
+
+
+def near_heads(history: Any, heads: Iterable[str]) -> dict[str, str]:
+    """Residual id -> snapshot for every version that keeps its residual: the versions less
+    than their own ``keep_newest`` below a branch head. ``keep_newest`` is at most
+    :data:`MAX_KEEP_NEWEST`, so this reads at most that many snapshots per branch, whatever
+    the length of the history (what lets the Checkpointer drop old residuals cheaply)."""
+    out: dict[str, str] = {}
+    for head in heads:
+        current: str | None = head
+        distance = 0
+        while current is not None and distance < MAX_KEEP_NEWEST:
+            try:
+                info = history.get(current)
+                ref = ResidualRef.from_metadata(info.metadata, current)
+            except (IntegrityError, FormatError, NotFoundError):
+                break
+            if keeps(distance, ref):
+                assert ref is not None
+                out[ref.id] = current
+            current, distance = info.parent, distance + 1
+    return out
 
 
 def keeps(distance: int, ref: ResidualRef | None) -> bool:

@@ -5,13 +5,15 @@ The protocol and why it never loses a version: docs/reference/format.md ("gc pro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inshrink_store import leases
+from inshrink_store import leases, residual
 from inshrink_store.admin.reachability import reachable
+from inshrink_store.cas import HEADER_SIZE
 from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
 from inshrink_store.layout import (
     BRANCHES,
@@ -62,10 +64,13 @@ class GarbageCollector:
 
     def __init__(self, parts: StoreParts, keep_last: int | None = None, *, stale_after: float = leases.STALE_AFTER,
                  wait: float = 0.0, progress: Progress | None = None,
-                 on_wait: Callable[[str], None] | None = None, keep_alive: bool = True) -> None:
+                 on_wait: Callable[[str], None] | None = None, keep_alive: bool = True,
+                 residuals_only: bool = False) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise InvalidInputError(f"Expected keep_last to be an integer >= 1. Got {keep_last!r} instead.")
         self.parts, self.keep_last, self.stale_after = parts, keep_last, stale_after
+        #: only drop restore residuals no version keeps any more (see :func:`_plan_residuals`)
+        self.residuals_only = residuals_only
         self.wait, self.progress, self.on_wait, self.keep_alive = wait, progress, on_wait, keep_alive
         self.lease: leases.HeldLease | None = None
         self.dead: list[leases.Lease] = []
@@ -83,7 +88,8 @@ class GarbageCollector:
         """Decide what to delete (nothing is deleted here)."""
         if not dry_run:
             self._check_lease("marking")
-        self.report = _plan(self.parts, self.keep_last, self.dead, dry_run=dry_run, stale_after=self.stale_after)
+        self.report = (_plan_residuals(self.parts, dry_run) if self.residuals_only else
+                       _plan(self.parts, self.keep_last, self.dead, dry_run=dry_run, stale_after=self.stale_after))
         self._queue = [p for group in ("refs", "snapshots", "trees", "residuals", "objects", "temp", "leases")
                        for p in self.report.deleted[group]]
         return self.report
@@ -190,6 +196,49 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
     listing = {**listing, **temp}
     freed = sum(listing.get(p, 0) for group in deleted.values() for p in group)
     return GcReport(dry_run, len(live.snapshots), deleted, freed, live.dangling)
+
+
+def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
+    """Only the restore residuals no version keeps any more, and their pieces.
+
+    Cheap whatever the history's length: the kept residuals are found near the branch heads
+    (:func:`inshrink_store.residual.near_heads`), and a dropped document's pieces are deleted
+    unless a kept document lists them. A piece can be nothing else: every piece object starts
+    with :data:`~inshrink_store.residual.PIECE_MAGIC`, which no array chunk does, and that is
+    checked on the object itself before it is queued. Run under the gc lease like any gc, so
+    the commit protocol's argument covers it (a residual becomes needed only by a commit)."""
+    storage = parts.storage
+    kept = residual.near_heads(parts.history, parts.refs.branches().values())
+    keep_pieces: set[str] = set()
+    for rid in kept:
+        with contextlib.suppress(InshrinkError):
+            for array in residual.load(storage, rid).values():
+                keep_pieces.update(array.pieces)
+    listing = storage.list(RESIDUALS)
+    deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "residuals": [], "objects": [],
+                                     "temp": [], "leases": []}
+    sizes = dict(listing)
+    pieces: list[str] = []
+    for path in sorted(listing):
+        found = classify(path)
+        if found is None or found[0] != RESIDUALS or found[1] in kept:
+            continue
+        deleted["residuals"].append(path)
+        with contextlib.suppress(InshrinkError):
+            for array in residual.load(storage, found[1]).values():
+                pieces.extend(oid for oid in array.pieces if oid not in keep_pieces and oid not in pieces)
+    for oid in pieces:
+        path = object_path(oid)
+        try:
+            head = bytes(storage.read_range(path, HEADER_SIZE, HEADER_SIZE + len(residual.PIECE_MAGIC)))
+            size = storage.size(path)
+        except (FileNotFoundError, OSError):
+            continue
+        if head == residual.PIECE_MAGIC:
+            deleted["objects"].append(path)
+            sizes[path] = size
+    freed = sum(sizes.get(p, 0) for group in deleted.values() for p in group)
+    return GcReport(dry_run, len(kept), deleted, freed, [])
 
 
 def _deltas_first(parts: StoreParts, oids: list[str]) -> list[str]:

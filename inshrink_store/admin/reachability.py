@@ -9,7 +9,6 @@ from inshrink_store import residual
 from inshrink_store.errors import InshrinkError
 from inshrink_store.index import load_node, load_root
 from inshrink_store.parts import StoreParts
-from inshrink_store.residual import ResidualRef
 
 Progress = Callable[[str, int, int], None]
 
@@ -99,25 +98,8 @@ def reachable(parts: StoreParts, keep_last: int | None = None, progress: Progres
     return out
 
 
-#: how far below a branch head gc looks for versions that keep their restore residual
-RESIDUAL_HORIZON = 1024
-
-
 def kept_residuals(parts: StoreParts, kept: set[str]) -> dict[str, str]:
     """Residual id -> snapshot for every kept version among the ``keep_newest`` newest of a
     branch (each version says its own ``keep_newest``). Tags keep a version, not its residual."""
-    out: dict[str, str] = {}
-    for head in parts.refs.branches().values():
-        current: str | None = head
-        distance = 0
-        while current is not None and current in kept and distance < RESIDUAL_HORIZON:
-            try:
-                info = parts.history.get(current)
-                ref = ResidualRef.from_metadata(info.metadata, current)
-            except InshrinkError:
-                break
-            if residual.keeps(distance, ref):
-                assert ref is not None
-                out[ref.id] = current
-            current, distance = info.parent, distance + 1
-    return out
+    return {rid: sid for rid, sid in residual.near_heads(parts.history, parts.refs.branches().values()).items()
+            if sid in kept}

@@ -52,6 +52,7 @@ from inshrink_store.policy import (
 from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.policy.search import SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
+from inshrink_store.residual import MAX_KEEP_NEWEST
 from inshrink_store.structure import flatten
 from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.tensors import (
@@ -269,10 +270,10 @@ class Checkpointer:
                 f"Expected lossless=True alone: it stores every tensor bit-exact, with no search. Got "
                 f"{', '.join(given)} as well instead; drop lossless=True to quantize, or drop {given[0]}."
             )
-        if type(exact_resume) is not int or exact_resume < 0:
+        if type(exact_resume) is not int or not 0 <= exact_resume <= MAX_KEEP_NEWEST:
             raise InvalidInputError(
-                f"Expected exact_resume to be an int >= 0 (the newest versions that resume bit-exact; 0 "
-                f"turns it off). Got {exact_resume!r} instead.")
+                f"Expected exact_resume to be an int in 0..{MAX_KEEP_NEWEST} (the newest versions that resume "
+                f"bit-exact; 0 turns it off). Got {exact_resume!r} instead.")
         self.exact_resume = exact_resume
         #: after :meth:`restore`: True when the state loaded is bit-exact (a restore residual
         #: or a lossless version), False when quantized tensors hold their stored values
@@ -580,7 +581,9 @@ class Checkpointer:
         only collects restore residuals and leftovers); never raises into the training loop."""
         keep = None if self.retention is None else self.retention.max_to_keep
         try:
-            report = self.repo.gc(keep_last=keep)
+            # without retention only the residuals that fell out of the newest versions are
+            # dropped: a sweep that reads a few documents, not the whole history
+            report = self.repo.gc(keep_last=keep) if keep is not None else self.repo.gc_residuals()
         except ConflictError as exc:
             log.info("retention: gc(keep_last=%s) put off to the next save: %s", keep, exc)
             return

@@ -807,3 +807,63 @@ def test_a_process_killed_at_every_write_leaves_every_kept_residual_exact(tmp_pa
     for crash_at in range(1, total + 1):
         for how in ("before", "after", "torn"):
             _crash_child_once(tmp_path, crash_at, how, keep)
+
+
+# -- the residual-only sweep (what the Checkpointer runs after each commit) --------------------
+def _residual_store(keep: int, versions: int) -> tuple[Any, list[Any], np.ndarray]:
+    repo = ins.open(f"memory://sweep-{uuid.uuid4().hex}", create=True)
+    rng = np.random.default_rng(7)
+    frozen = rng.standard_normal((128, 64), dtype=np.float32)
+    infos = [repo.save({"model/w": rng.standard_normal((128, 64), dtype=np.float32), "model/frozen": frozen},
+                       quantize=QuantConfig(bins=16, min_numel=16), exact_resume=keep, step=i)
+             for i in range(versions)]
+    return repo, infos, frozen
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_the_residual_sweep_keeps_what_gc_keeps_and_reads_little(keep: int) -> None:
+    repo, infos, frozen = _residual_store(keep, 5)
+    dry = repo.gc_residuals(dry_run=True)
+    assert dry.dry_run and len(dry.deleted["residuals"]) == 5 - keep
+    assert all(repo.residual(i.id) is not None for i in infos)  # a dry run deletes nothing
+    report = repo.gc_residuals()
+    assert len(report.deleted["residuals"]) == 5 - keep and not report.deleted["snapshots"]
+    assert [repo.residual(i.id) is not None for i in infos] == [False] * (5 - keep) + [True] * keep
+    # the frozen tensor's piece is the same in every version: shared with a kept residual, kept
+    assert repo.verify().ok
+    newest = repo.residual(infos[-1].id)
+    assert newest is not None
+    exact = newest.exact("model/frozen", repo.checkout(infos[-1].id).read("model/frozen"))
+    assert exact.tobytes() == frozen.tobytes()
+    # a full gc afterwards agrees: nothing more to collect
+    after = repo.gc()
+    assert not after.deleted["residuals"] and not after.deleted["objects"]
+
+
+def test_the_residual_sweep_never_deletes_an_object_that_is_not_a_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped residual that (damaged or forged) lists an array chunk as a piece: the chunk
+    does not start with the piece magic, so the sweep leaves it alone."""
+    from inshrink_store import residual as residual_module
+
+    repo, infos, _ = _residual_store(1, 3)
+    chunk = next(iter(repo.checkout(infos[0].id).arrays()["model/w"].chunk_ids.values()))
+    real_load = residual_module.load
+
+    def forged(storage: Any, rid: str) -> Any:
+        arrays = real_load(storage, rid)
+        return {p: residual_module.ResidualArray(a.dtype, a.shape, (*a.pieces, chunk), a.checksum)
+                for p, a in arrays.items()}
+
+    monkeypatch.setattr(residual_module, "load", forged)
+    report = repo.gc_residuals()
+    assert object_path(chunk) not in report.deleted["objects"]
+    monkeypatch.undo()
+    assert repo.verify().ok
+
+
+def test_exact_resume_is_capped_where_the_sweep_looks() -> None:
+    from inshrink_store.residual import MAX_KEEP_NEWEST
+
+    repo = ins.open(f"memory://cap-{uuid.uuid4().hex}", create=True)
+    with pytest.raises(ins.InvalidInputError, match=str(MAX_KEEP_NEWEST)):
+        repo.save({"w": np.ones((4, 4), np.float32)}, exact_resume=MAX_KEEP_NEWEST + 1)
