@@ -511,7 +511,13 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
         m_importance = 1.0 / (np.sqrt(np.maximum(v, 0) / c2) + h.eps) ** 2
         v_importance = exact.astype(np.float64) ** 2
     attempts = policy.attempts()
+    joint_matters = weight_pruned is not None and bool(weight_pruned.any())
+    tried: set[tuple[float, int, int, bool]] = set()
     for n, (prune, m_levels, v_levels, joint) in enumerate(attempts, start=1):
+        setting = (prune, m_levels, v_levels, joint and joint_matters)
+        if setting in tried:  # joint pruning with no pruned weight: an attempt already made
+            continue
+        tried.add(setting)
         drop = smallest_mask(exact, prune) if prune > 0 else np.zeros(m.shape, bool)
         if joint and weight_pruned is not None:
             drop |= weight_pruned
