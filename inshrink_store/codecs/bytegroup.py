@@ -45,11 +45,11 @@ from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
 from zarr.abc.codec import BytesBytesCodec
 from zarr.core.buffer import Buffer
-from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec as register_zarr_codec
 
 from inshrink_store import dtypes
 from inshrink_store.codecs import _planes
+from inshrink_store.codecs._config import check_config, named_configuration
 from inshrink_store.errors import FormatError, IntegrityError
 
 CODEC_ID = "inshrink.bytegroup"
@@ -155,21 +155,6 @@ def _check_coder(coder: Any) -> str:
     return coder
 
 
-def check_keys(config: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
-    """A configuration as keyword arguments: a dict with only ``allowed`` keys (FormatError
-    naming the first unknown one)."""
-    if not isinstance(config, dict):
-        raise FormatError(f"Expected the {CODEC_ID} configuration to be a dict. Got {config!r:.80} instead.")
-    unknown = [k for k in config if k not in allowed]
-    if unknown:
-        raise FormatError(
-            f"Expected only the keys {list(allowed)} in the {CODEC_ID} configuration. Got the "
-            f"unknown key {unknown[0]!r:.80} instead; remove it (or upgrade inshrink-store if "
-            "a newer version wrote it)."
-        )
-    return dict(config)
-
-
 def encode_chunk(data: np.ndarray, dtype: str, level: int, coder: str, base: np.ndarray | None = None) -> bytes:
     """The encoded chunk for the flat uint8 bytes ``data`` of ``dtype`` elements (checked sizes)."""
     version = VERSION_OF_CODER[coder]
@@ -228,7 +213,7 @@ class ByteGroup(Codec):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ByteGroup:
         """Build from ``get_config()`` output; an unknown key is a FormatError naming it."""
-        kwargs = check_keys(config, ("id", *CONFIG_KEYS))
+        kwargs = check_config(config, ("id", *CONFIG_KEYS), CODEC_ID)
         kwargs.pop("id", None)
         return cls(**kwargs)
 
@@ -423,14 +408,8 @@ class ByteGroupZarrCodec(BytesBytesCodec):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ByteGroupZarrCodec:
         """Build from zarr.json; a missing dtype or an unknown key is a FormatError naming it."""
-        try:
-            _, config = parse_named_configuration(data, CODEC_ID)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise FormatError(
-                f"Expected a codec entry {{'name': {CODEC_ID!r}, 'configuration': {{...}}}}. "
-                f"Got {data!r:.80} instead ({exc})."
-            ) from None
-        kwargs = check_keys(config, CONFIG_KEYS)
+        config = named_configuration(data, CODEC_ID)
+        kwargs = check_config(config, CONFIG_KEYS, CODEC_ID)
         if "dtype" not in kwargs:
             raise FormatError(
                 f"Expected a dtype ({list(ELEMENT_DTYPES)}) in the {CODEC_ID} configuration. Got none instead."

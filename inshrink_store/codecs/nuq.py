@@ -27,11 +27,11 @@ from numcodecs.compat import ensure_contiguous_ndarray, ndarray_copy
 from numcodecs.registry import register_codec
 from zarr.abc.codec import ArrayBytesCodec
 from zarr.core.buffer import Buffer, NDBuffer
-from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec as register_zarr_codec
 
 from inshrink_store import dtypes
 from inshrink_store.codecs import _payload
+from inshrink_store.codecs._config import check_config, named_configuration
 from inshrink_store.errors import FormatError
 
 CODEC_ID = "inshrink.nuq"
@@ -306,20 +306,6 @@ def _choice(value: Any, name: str, allowed: tuple[str, ...], none_ok: bool = Fal
     )
 
 
-def check_config(config: Any, allowed: tuple[str, ...], codec: str) -> dict[str, Any]:
-    """A codec configuration as keyword arguments: a dict with only ``allowed`` str keys."""
-    if not isinstance(config, dict):
-        raise FormatError(f"Expected the {codec} configuration to be a dict. Got {config!r:.80} instead.")
-    unknown = [k for k in config if k not in allowed]
-    if unknown:
-        raise FormatError(
-            f"Expected only the keys {list(allowed)} in the {codec} configuration. Got the "
-            f"unknown key {unknown[0]!r:.80} instead; remove it (or upgrade inshrink-store if "
-            "a newer version wrote it)."
-        )
-    return dict(config)
-
-
 class NUQ(Codec):
     """numcodecs front end. Arrays of ``dtype`` bfloat16 are passed as uint16 bit patterns.
 
@@ -433,13 +419,7 @@ class NUQZarrCodec(ArrayBytesCodec):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NUQZarrCodec:
         """Build from zarr.json; an unknown configuration key is a FormatError naming it."""
-        try:
-            _, config = parse_named_configuration(data, CODEC_ID)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise FormatError(
-                f"Expected a codec entry {{'name': {CODEC_ID!r}, 'configuration': {{...}}}}. "
-                f"Got {data!r:.80} instead ({exc})."
-            ) from None
+        config = named_configuration(data, CODEC_ID)
         kwargs = check_config(config, CONFIG_KEYS, CODEC_ID)
         if "codebook" not in kwargs:
             raise FormatError(f"Expected a codebook in the {CODEC_ID} configuration. Got none instead.")
