@@ -27,18 +27,20 @@ state gives the same bytes (the store dedups and delta-codes by content).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.codecs.nuq import NUQZarrCodec, nearest_index
+from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, loss, through_dtype, weighted_kmeans
+from inshrink_store.policy.partition import QuantizedTensor
+from inshrink_store.policy.planner import array_plan
+from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.sketch import BLOCK
 from inshrink_store.writer import ArrayPlan
 
@@ -398,42 +400,17 @@ def _tensor_record(prefix: str, entry: Mapping[str, Any]) -> MomentTensorRecord:
     return MomentTensorRecord(**fields)
 
 
-class MomentPlans(Mapping[str, ArrayPlan]):
-    """path -> ArrayPlan of the compressed moments, with the :class:`MomentRecord` that
-    explains them (``record``)."""
+@dataclass(frozen=True, eq=False)
+class MomentPlans(PlanSet):
+    """A :class:`PlanSet` (read-only path -> ArrayPlan, itself a repository planner) of the
+    compressed moments, with the :class:`MomentRecord` that explains them (``record``)."""
 
-    def __init__(self, plans: Mapping[str, ArrayPlan], record: MomentRecord) -> None:
-        self._plans = MappingProxyType(dict(plans))
-        self.record = record
-
-    def __getitem__(self, path: str) -> ArrayPlan:
-        return self._plans[path]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._plans)
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def __contains__(self, path: object) -> bool:
-        return path in self._plans
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    __hash__ = object.__hash__
-
-    def plan(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str],
-             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
-        """Repository hook: these plans, as made."""
-        return self
+    record: MomentRecord = field(default_factory=lambda: MomentRecord(None))
 
 
 def _plan(values: np.ndarray, codebook: np.ndarray, dtype: str, attributes: dict[str, Any]) -> ArrayPlan:
-    entry = dtype_registry.get(dtype)
-    codec = NUQZarrCodec(codebook=codebook, tolerance=0.0, protected_dtype="float32",
-                         dtype=entry.codec_name if entry.carried_as_bits else None)
-    return ArrayPlan(entry.from_float32(values), codec, attributes)
+    """The weights' own plan maker, protected values (NaN, Inf, anything off the levels) in float32."""
+    return array_plan(QuantizedTensor(values, tuple(codebook.tolist()), attributes), dtype, "float32")
 
 
 def _step_of(tensors: Mapping[str, np.ndarray], prefix: str) -> float | None:
@@ -455,7 +432,7 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
         if keys:
             skipped = (f"optimizer state is not Adam-shaped (no exp_avg/exp_avg_sq pairs; state keys {keys[:6]}): "
                        "stored lossless")
-        return MomentPlans({}, MomentRecord(policy, {}, skipped))
+        return MomentPlans(None, {}, record=MomentRecord(policy, {}, skipped))
     plans: dict[str, ArrayPlan] = {}
     records: dict[str, MomentTensorRecord] = {}
     for prefix in pairs:
@@ -489,7 +466,7 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
         plans[v_path] = _plan(v_q, v_cb, dtype, {**figures, "moment": V_KEY, "levels": int(v_cb.size),
                                                  "pruned_fraction": 0.0})
         records[prefix] = record
-    return MomentPlans(plans, MomentRecord(policy, records))
+    return MomentPlans(None, plans, record=MomentRecord(policy, records))
 
 
 def _weight_pruned(weights: Mapping[str, Any], path: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
