@@ -279,6 +279,14 @@ class SnapshotIndex:
         self.storage, self.root_id, self.snapshot_id = storage, root_id, snapshot_id
         self._lock = threading.RLock()
         self._built: dict[str, Any] = {}
+        #: node trees read one at a time (by :meth:`node`), by tree id
+        self._one_tree: dict[str, NodeTree] = {}
+        self._gates: dict[str, threading.Lock] = {}
+        #: guards the two dicts above; never held while reading (builds hold ``_lock`` and
+        #: read trees on a pool, so the pool's threads must not need ``_lock``)
+        self._trees_lock = threading.Lock()
+        #: arrays validated one at a time (by :meth:`array`), by path
+        self._one_array: dict[str, ArrayInfo] = {}
 
     @classmethod
     def of(cls, objects: ObjectStore, root_id: str, snapshot_id: str | None = None) -> SnapshotIndex:
@@ -314,9 +322,80 @@ class SnapshotIndex:
         items = sorted(self.root.nodes.items())
         ids = sorted({tid for _path, tid in items})  # equal nodes (empty groups) share a tree
         with ThreadPoolExecutor(_PARALLEL_READS) as pool:
-            trees = dict(zip(ids, pool.map(
-                lambda tid: NodeTree.from_bytes(_read_tree(self.storage, tid), tid), ids), strict=True))
+            trees = dict(zip(ids, pool.map(self._tree, ids), strict=True))
         return {path: (tid, trees[tid]) for path, tid in items}
+
+    def _tree(self, tid: str) -> NodeTree:
+        """Node tree ``tid``, read at most once however many threads ask (one gate per tree,
+        so reads of different trees still run in parallel)."""
+        with self._trees_lock:
+            tree = self._one_tree.get(tid)
+            if tree is not None:
+                return tree
+            gate = self._gates.setdefault(tid, threading.Lock())
+        with gate:
+            with self._trees_lock:
+                tree = self._one_tree.get(tid)
+            if tree is None:
+                tree = NodeTree.from_bytes(_read_tree(self.storage, tid), tid)
+                with self._trees_lock:
+                    self._one_tree[tid] = tree
+                    self._gates.pop(tid, None)
+        return tree
+
+    def node(self, path: str) -> tuple[str, NodeTree] | None:
+        """(tree id, tree) of node ``path``, or None if the snapshot has no such node.
+
+        Reads that one tree (not all of them): opening one tensor of a large snapshot on an
+        object store costs a request for its tree, not one per tensor."""
+        tid = self.root.nodes.get(path)
+        if tid is None:
+            return None
+        nodes = self._built.get("nodes")
+        if nodes is not None:
+            return nodes[path]  # type: ignore[no-any-return]
+        return tid, self._tree(tid)
+
+    def entry(self, key: str) -> Entry | None:
+        """What store key ``key`` holds, reading only the node tree that holds it."""
+        entries = self._built.get("entries")
+        if entries is not None:
+            return entries.get(key)  # type: ignore[no-any-return]
+        parts = key.split("/")
+        # the key's node is the longest of its parent paths that is a node
+        for cut in range(len(parts) - 1, -1, -1):
+            path = "/".join(parts[:cut])
+            if path not in self.root.nodes:
+                continue
+            found = self.node(path)
+            assert found is not None
+            tree, rel = found[1], "/".join(parts[cut:])
+            if rel == METADATA_KEY:
+                return Entry(inline=tree.metadata.encode()) if tree.metadata is not None else None
+            oid = tree.chunks.get(rel)
+            if oid is not None:
+                return Entry(oid=oid)
+        return None
+
+    def array(self, path: str) -> ArrayInfo | None:
+        """:class:`ArrayInfo` of array ``path`` (validated), or None if it is not an array:
+        reads that array's tree only."""
+        arrays = self._built.get("arrays")
+        if arrays is not None:
+            return arrays.get(path)  # type: ignore[no-any-return]
+        with self._lock:
+            info = self._one_array.get(path)
+        if info is not None:
+            return info
+        found = self.node(path)
+        if found is None or found[1].metadata is None:
+            return None
+        doc = _node_doc(path, found[1].metadata, self._where)
+        if doc.get("node_type") != "array":
+            return None
+        info = array_info(path, doc, found[1].chunks)
+        with self._lock:
+            return self._one_array.setdefault(path, info)
 
     def entries(self) -> Mapping[str, Entry]:
         """Store key -> :class:`Entry` (inline zarr.json text or chunk object id)."""
@@ -376,7 +455,7 @@ class SnapshotIndex:
 
     def chunk_ids(self, path: str) -> dict[str, str]:
         """Chunk key (relative to the node) -> object id of node ``path`` (a copy)."""
-        found = self._once("nodes", self._read_nodes).get(path)
+        found = self.node(path)
         if found is None:
             raise NotFoundError(
                 f"Expected a node {path!r}{self._where}. Got no such node instead "

@@ -97,14 +97,19 @@ class SnapshotReader:
         """
         return self.index.arrays()
 
+    def _info(self, path: str) -> ArrayInfo:
+        info = self.index.array(path)
+        assert info is not None, path  # resolve_name found it
+        return info
+
     def names(self) -> list[str]:
         return sorted(self.arrays())
 
     def resolve_name(self, name: str) -> str:
-        infos = self.arrays()
         for candidate in (name, f"model/{name}"):
-            if candidate in infos:
+            if self.index.array(candidate) is not None:  # reads that tensor's tree only
                 return candidate
+        infos = self.arrays()
         close = [p for p in infos if name.split("/")[-1] in p][:5]
         hint = f" Similar: {', '.join(close)}." if close else ""
         raise NotFoundError(
@@ -118,7 +123,8 @@ class SnapshotReader:
                           lambda: zarr.open_array(store=self.store, path=path, mode="r"))
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self.arrays() or f"model/{name}" in self.arrays())
+        return isinstance(name, str) and any(
+            self.index.array(candidate) is not None for candidate in (name, f"model/{name}"))
 
     def read(self, name: str) -> np.ndarray:
         """The stored array (BF16 as uint16 bit patterns), decoded in full.
@@ -129,7 +135,7 @@ class SnapshotReader:
         objects' stored sizes); otherwise an IntegrityError names the tensor and chunk.
         """
         path = self.resolve_name(name)
-        info = self.arrays()[path]
+        info = self._info(path)
         self._check_backing(info)
         array = self[path]
         if math.prod(info.shape) == 0:
@@ -159,7 +165,7 @@ class SnapshotReader:
         statistics and comparisons."""
         path = self.resolve_name(name)
         data = self.read(path)
-        entry = dtypes.REGISTRY.get(self.arrays()[path].dtype)
+        entry = dtypes.REGISTRY.get(self._info(path).dtype)
         if entry is not None and entry.carried_as_bits:
             return entry.to_float32(data)
         return data

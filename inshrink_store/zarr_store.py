@@ -89,7 +89,7 @@ class SnapshotChunks:
         return self.index.entries()
 
     def get(self, key: str) -> bytes | None:
-        entry = self.entries.get(key)
+        entry = self.index.entry(key)  # reads only the node tree that holds the key
         if entry is None:
             return None
         if entry.inline is not None:
@@ -103,6 +103,9 @@ class SnapshotChunks:
 
     def keys(self) -> list[str]:
         return self.index.keys()
+
+    def has(self, key: str) -> bool:
+        return self.index.entry(key) is not None
 
 
 class PendingChunks:
@@ -130,6 +133,9 @@ class PendingChunks:
 
     def keys(self) -> list[str]:
         return sorted(self.entries)
+
+    def has(self, key: str) -> bool:
+        return key in self.entries
 
     def put(self, key: str, value: bytes) -> None:
         if posixpath.basename(key) == METADATA_KEY and _is_text(value):
@@ -254,7 +260,7 @@ class InshrinkStore(Store):
         return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
     async def exists(self, key: str) -> bool:
-        return key in self._view.entries
+        return self._view.has(key)
 
     async def set(self, key: str, value: Buffer, byte_range: tuple[int, int] | None = None) -> None:
         self._check_writable()
@@ -265,7 +271,7 @@ class InshrinkStore(Store):
         await asyncio.to_thread(self._view.put, key, value.to_bytes())
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        if key not in self._view.entries:
+        if not self._view.has(key):
             await self.set(key, value)
 
     async def delete(self, key: str) -> None:

@@ -8,10 +8,42 @@ conditional put (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) through
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+from inshrink_store.errors import StorageError
 from inshrink_store.storage.base import Storage
 
 
 class ObjectStorage(Storage):
+    """Every operation is as few requests as the backend allows: on an object store a
+    request costs tens of milliseconds, and a lazy read of one tensor should cost a
+    handful of them (the request table in docs/benchmarks.md)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url, storage_options)
+        # s3fs HEADs every whole-object read first, to split objects over its block size
+        # (50 MiB) into parallel ranged GETs; ours are smaller, so that HEAD only doubles
+        # the requests of every read.
+        cat = getattr(type(self.fs), "_cat_file", None)
+        takes = inspect.signature(cat).parameters if cat is not None else {}
+        self._whole_read: dict[str, Any] = {"max_concurrency": 1} if "max_concurrency" in takes else {}
+
+    def read(self, path: str) -> bytes:
+        return self._call("read", path, lambda: self.fs.cat_file(self._full(path), **self._whole_read))
+
+    def exists(self, path: str) -> bool:
+        """One ranged GET of the first byte. fsspec's ``exists`` HEADs the key and, when it
+        is absent, lists it as a folder too: two requests for every absent object, which is
+        every new chunk a save writes."""
+        try:
+            self.read_range(path, 0, 1)
+        except FileNotFoundError:
+            return False
+        except StorageError:
+            return super().exists(path)  # an empty file refuses a range on some servers
+        return True
+
     def write(self, path: str, data: bytes) -> None:
         self._call("write", path, lambda: self.fs.pipe_file(self._full(path), data))
 
