@@ -343,6 +343,19 @@ class SnapshotIndex:
                     self._gates.pop(tid, None)
         return tree
 
+    def seed(self, root: RootTree, trees: Mapping[str, NodeTree]) -> None:
+        """Take the root tree and node trees (by id) that a writer just stored, so this
+        process reads none of them back. Ids are checked against the content."""
+        if root.id != self.root_id:
+            raise IntegrityError(f"Expected root tree {self.root_id} to seed the index. Got {root.id} instead.")
+        with self._lock:
+            self._built.setdefault("root", root)
+        with self._trees_lock:
+            for tid in set(root.nodes.values()):
+                tree = trees.get(tid)
+                if tree is not None and tree.id == tid:
+                    self._one_tree.setdefault(tid, tree)
+
     def node(self, path: str) -> tuple[str, NodeTree] | None:
         """(tree id, tree) of node ``path``, or None if the snapshot has no such node.
 

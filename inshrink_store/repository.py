@@ -55,11 +55,13 @@ def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
     """Open the store at ``url`` (a path, file://, memory://, s3://, gs://); ``create``
     makes an empty one if nothing is there."""
     storage = Storage(url, storage_options)
-    if not storage.exists(CONFIG_FILE):
+    try:  # one read of the settings (no existence check first: a request saved on S3)
+        return Repository(storage, keyframe_interval=keyframe_interval)
+    except FileNotFoundError:
         if not create:
             storage.require_exists(CONFIG_FILE)
-        return init(url, storage_options=storage_options, keyframe_interval=keyframe_interval, exist_ok=True)
-    return Repository(storage, keyframe_interval=keyframe_interval)
+            raise
+    return init(url, storage_options=storage_options, keyframe_interval=keyframe_interval, exist_ok=True)
 
 
 def init(

@@ -24,6 +24,7 @@ from inshrink_store import residual as residual_module
 from inshrink_store.codecs.nuq import quantizer
 from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
 from inshrink_store.history import SnapshotInfo
+from inshrink_store.index import SnapshotIndex
 from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parts import StoreParts
@@ -247,7 +248,11 @@ class WriteSession:
         for tree_id, tree in trees.items():
             if tree_id not in stored and not storage.exists(tree_path(tree_id)):
                 storage.write(tree_path(tree_id), tree.to_bytes())
-        storage.write(tree_path(root.id), root.to_bytes())
+        if view.parent is None or root.id != view.parent.root_id:
+            storage.write(tree_path(root.id), root.to_bytes())
+        # The next save's parent is this version: it finds these trees in the process's index
+        # instead of reading them all back (trees are content-addressed: never stale).
+        SnapshotIndex.of(self._parts.objects, root.id).seed(root, trees)
         return root
 
     def _rebased_root(self, head_id: str) -> RootTree:

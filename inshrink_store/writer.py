@@ -14,7 +14,10 @@ is written as its carrier (uint16 bit patterns) with the logical dtype in
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,6 +140,7 @@ def write_arrays(
     previous: Mapping[str, dict[str, Any]] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     chunking: Chunking | None = None,
+    threads: int | None = None,
 ) -> None:
     """Write every tensor as an array of ``store``; nothing is committed here.
 
@@ -148,8 +152,13 @@ def write_arrays(
     check_no_nesting(arrays)
     zarr.open_group(store=store, mode="a").attrs.update(dict(attributes or {}))
     plans: Mapping[str, ArrayPlan] = planner.plan(arrays, names, previous or {}) if planner else {}
-    for i, (path, array) in enumerate(sorted(arrays.items())):
-        plan = plans.get(path)
+    order = sorted(arrays)
+    done = 0
+    done_lock = threading.Lock()
+
+    def write_one(path: str) -> None:
+        nonlocal done
+        array, plan = arrays[path], plans.get(path)
         meta: dict[str, Any] = {"dtype": names[path], "storage": "quantized" if plan else "lossless"}
         if plan is not None:
             meta.update(plan.attributes)
@@ -158,7 +167,36 @@ def write_arrays(
             data, codecs = array, lossless_codecs(array, names[path])
         create_array(store, path, data, codecs, chunking, {ATTR: meta})
         if progress:
-            progress(path, i + 1, len(arrays))
+            with done_lock:
+                done += 1
+                progress(path, done, len(order))
+
+    workers = min(threads or write_threads(), len(order))
+    if workers <= 1:
+        for path in order:
+            write_one(path)
+        return
+    # Tensors are written side by side: most are one chunk, so one at a time would code on
+    # one core. What is stored does not depend on the order (chunks are addressed by their
+    # bytes, trees are sorted), so the snapshot is the same for any number of threads.
+    with ThreadPoolExecutor(workers, thread_name_prefix="inshrink-write") as pool:
+        futures = [pool.submit(write_one, path) for path in order]
+        for future in futures:  # the first failure in path order, after every write ended
+            future.exception()
+        for future in futures:
+            future.result()
+
+
+def write_threads() -> int:
+    """Tensors written at once: ``INSHRINK_WRITE_THREADS`` if set, else the cores (at most 8)."""
+    configured = os.environ.get("INSHRINK_WRITE_THREADS")
+    if configured is not None:
+        if not configured.isdigit() or int(configured) < 1:
+            raise FormatError(
+                f"Expected INSHRINK_WRITE_THREADS to be a whole number >= 1. Got {configured!r} instead."
+            )
+        return int(configured)
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def previous_codecs(parent: SnapshotChunks | SnapshotIndex | Any | None) -> dict[str, dict[str, Any]]:

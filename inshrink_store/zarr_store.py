@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
@@ -121,6 +122,17 @@ class PendingChunks:
         self.entries: dict[str, Entry] = dict(parent.entries) if parent and inherit else {}
         self._parent_entries: Mapping[str, Entry] = parent.entries if parent else {}
         self.new_stored_bytes = 0
+        # the writer stores several tensors at once: changes and listings take turns
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_lock"]  # a lock does not pickle; the copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def get(self, key: str) -> bytes | None:
         entry = self.entries.get(key)
@@ -132,26 +144,31 @@ class PendingChunks:
         return self.objects.get(entry.oid)
 
     def keys(self) -> list[str]:
-        return sorted(self.entries)
+        with self._lock:
+            return sorted(self.entries)
 
     def has(self, key: str) -> bool:
         return key in self.entries
 
     def put(self, key: str, value: bytes) -> None:
         if posixpath.basename(key) == METADATA_KEY and _is_text(value):
-            self.entries[key] = Entry(inline=bytes(value))
+            with self._lock:
+                self.entries[key] = Entry(inline=bytes(value))
             return
         previous = self._parent_entries.get(key)
         base = previous.oid if previous is not None else None
-        result = self.objects.put(value, base=base)
-        self.new_stored_bytes += result.stored_bytes
-        self.entries[key] = Entry(oid=result.oid)
+        result = self.objects.put(value, base=base)  # outside the lock: objects in parallel
+        with self._lock:
+            self.new_stored_bytes += result.stored_bytes
+            self.entries[key] = Entry(oid=result.oid)
 
     def delete(self, key: str) -> None:
-        self.entries.pop(key, None)
+        with self._lock:
+            self.entries.pop(key, None)
 
     def clear(self) -> None:
-        self.entries.clear()
+        with self._lock:
+            self.entries.clear()
 
     def build_trees(self) -> tuple[RootTree, dict[str, NodeTree]]:
         """Group keys by node; returns the root tree and node trees keyed by tree id."""

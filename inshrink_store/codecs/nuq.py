@@ -16,6 +16,7 @@ search up to ~64 centres); larger codebooks use ``np.searchsorted`` on the midpo
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 from dataclasses import dataclass, field
@@ -441,6 +442,14 @@ class NUQZarrCodec(ArrayBytesCodec):
         return quantizer(self.codebook, self.tolerance, self.protected_dtype, element)
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: Any) -> NDBuffer:
+        # on a worker thread, as zarr's Blosc codec does: numpy releases the GIL, so the
+        # chunks of one read decode in parallel instead of one by one on zarr's event loop
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer | None:
+        return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
+
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> NDBuffer:
         values = self._quantizer(chunk_spec).decode(chunk_bytes.as_numpy_array())
         expected = math.prod(chunk_spec.shape)
         if values.size != expected:
@@ -453,7 +462,7 @@ class NUQZarrCodec(ArrayBytesCodec):
             values.view(native).reshape(chunk_spec.shape)
         )
 
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer | None:
+    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer:
         q = self._quantizer(chunk_spec)
         carrier = np.ascontiguousarray(chunk_array.as_numpy_array()).view(_carrier(q.dtype))
         return chunk_spec.prototype.buffer.from_bytes(q.encode(carrier))

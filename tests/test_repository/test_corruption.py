@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import cas, index
 from inshrink_store.codecs import _payload
 from inshrink_store.zarr_store import tree_path
 
@@ -41,7 +41,9 @@ def _rewrite(repo: ins.Repository, path: str, change) -> None:  # type: ignore[n
 
 
 def _fresh(repo: ins.Repository) -> ins.Repository:
-    """A new handle, so no in-process cache hides what is on storage."""
+    """A new handle with an empty index cache (what a new process sees), so no in-process
+    cache hides what is on storage (the writer seeds the cache with the trees it wrote)."""
+    index.CACHE.clear()
     return ins.open(repo.url)
 
 

@@ -421,3 +421,38 @@ def test_a_step_saved_again_after_a_restore_moves_its_keep_tag(url: str) -> None
     again = repo.tags()["keep-2"]
     assert again != first and again == repo.resolve("main") and repo.snapshot(again).parent == first
     assert repo.verify().problems == []
+
+
+def _roots_of_a_short_run(url: str) -> list[str]:
+    torch.manual_seed(0)
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), tolerance=0.02,
+                      space=SMALL_SPACE)
+    for step in (10, 20, 30):
+        _train(model, opt, x, y, 10, ck)
+        ck.save(step)
+        ck.wait()
+    ck.close()
+    return [repo.snapshot(info.id).root for info in repo.log()]
+
+
+def test_what_is_stored_does_not_depend_on_how_many_threads_write_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors are written side by side on a thread pool; chunks are addressed by content and
+    trees are sorted, so every version's root tree (its whole content: weights, moments,
+    codebooks, metadata of the arrays) is the same with one writer thread or several."""
+    roots = []
+    for threads in ("1", "4"):
+        monkeypatch.setenv("INSHRINK_WRITE_THREADS", threads)
+        roots.append(_roots_of_a_short_run(f"memory://ck-{uuid.uuid4().hex}"))
+    assert len(roots[0]) == 3 and roots[0] == roots[1]
+
+
+def test_a_bad_thread_count_is_a_clear_error(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INSHRINK_WRITE_THREADS", "zero")
+    repo = ins.open(url, create=True)
+    with pytest.raises(ins.FormatError, match="INSHRINK_WRITE_THREADS"):
+        repo.save({"a": np.ones((4, 4), np.float32), "b": np.zeros(3, np.float32)})
+    assert "main" not in repo.branches()  # nothing committed
