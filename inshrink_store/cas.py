@@ -51,7 +51,10 @@ HEADER = struct.Struct("<4sBBHQ16sQ")
 HEADER_SIZE = HEADER.size  # 40
 KIND_WHOLE, KIND_DELTA = 0, 1
 CODER_NONE, CODER_ZSTD = 0, 1
-ZSTD_LEVEL = 3
+#: zstd level of whole quantized payloads (one level id per byte). Level 1 both codes them
+#: smaller than level 3 on trained weights (2.18x vs 1.96x at 16 levels, 2.81x vs 2.54x at
+#: 8 levels pruned 30 %) and runs 3-10x faster; level 3 was the store's first choice.
+ZSTD_LEVEL = 1
 MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
 
