@@ -243,6 +243,13 @@ class Checkpointer:
     ``extra_state``: name -> object with ``state_dict``/``load_state_dict`` (a scheduler,
     :class:`RNGState`) or ``get_state``/``set_state`` (a ``torch.Generator``), saved with
     every version and put back by :meth:`restore`.
+
+    ``exact_resume`` (default 1, at most 64): the newest N versions of the branch keep a
+    restore residual, so :meth:`restore` from them is bit-exact (``restored_exact`` says
+    so). With ``exact_resume=0`` a restart resumes from the stored, quantized state, so
+    the search runs in the policy's ``resume_space`` (256 levels, no pruning) instead of
+    its ``space``: an aggressive version within the tolerance at save time still costs
+    several percent of final quality when training resumes from it again and again.
     """
 
     def __init__(self, repo: Any, model: Any, optimizer: Any = None, eval_fn: Callable[[Any], float] | None = None,
@@ -467,7 +474,10 @@ class Checkpointer:
             evaluate = None
             if self.eval_fn is not None and job.eval_model is not None:
                 evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
-            decision = self.policy.decide(candidates, evaluate, previous=self._previous)
+            # without a restore residual a restart resumes from what is stored: search the
+            # policy's resume space, whose versions hold the tolerance over many restores
+            policy = self.policy if self.exact_resume else self.policy.resuming()
+            decision = policy.decide(candidates, evaluate, previous=self._previous)
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if decision.moments is not None:

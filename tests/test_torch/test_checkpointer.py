@@ -456,3 +456,25 @@ def test_a_bad_thread_count_is_a_clear_error(url: str, monkeypatch: pytest.Monke
     with pytest.raises(ins.FormatError, match="INSHRINK_WRITE_THREADS"):
         repo.save({"a": np.ones((4, 4), np.float32), "b": np.zeros(3, np.float32)})
     assert "main" not in repo.branches()  # nothing committed
+
+
+def test_without_a_residual_versions_are_searched_in_the_resume_space(url: str) -> None:
+    """exact_resume=0: a restart resumes from what is stored, so the search runs in the
+    policy's resume_space (256 levels, nothing pruned by default), not its aggressive space."""
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    policy = ins.policy.SearchPolicy(tolerance=0.05, space=SMALL_SPACE)
+    chosen = {}
+    for exact in (1, 0):
+        ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), policy=policy,
+                          exact_resume=exact, branch=f"resume-{exact}")
+        _train(model, opt, x, y, 20, ck)
+        ck.save(20)
+        chosen[exact] = ck.wait().metadata["quantization"]["config"]
+        ck.close()
+    assert chosen[1] is not None and chosen[1]["bins"] in SMALL_SPACE.bins
+    assert chosen[0] is not None and (chosen[0]["bins"], chosen[0]["prune"]) == (256, 0.0)
+    custom = ins.policy.SearchPolicy(resume_space=SearchSpace(bins=(64,), prune=(0.0,), protect=(0.005,)))
+    assert custom.resuming().space.bins == (64,) and custom.resuming().resume_space == custom.resume_space
+    with pytest.raises(ins.FormatError, match="resume_space"):
+        ins.policy.SearchPolicy(resume_space=(256,))  # type: ignore[arg-type]
