@@ -239,10 +239,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "A read fetches the settings, the branch's ref (a listing and the newest ref file), "
         "the snapshot, the root tree, the node trees on the tensor's path and its chunk "
-        "object, however many tensors the snapshot holds. A save reads every node tree of "
-        "its parent (one GET per tensor) and checks that each new object and tree is absent "
-        "(a one-byte ranged GET) before writing it; `verify` and `gc` read the trees of "
-        "every kept version.",
+        "object, however many tensors the snapshot holds. A save from a cold cache reads "
+        "every node tree of its parent once (one GET per tensor); right after the same "
+        "process saved that parent it reads none (a commit keeps the trees it wrote). Each "
+        "new object and tree is checked absent (a one-byte ranged GET) before it is "
+        "written; a tree or chunk the parent already names is not. `verify` and `gc` read "
+        "each distinct tree once per run, and `verify` every object.",
     ]
     return "\n".join(lines)
 

@@ -356,6 +356,13 @@ class SnapshotIndex:
                 if tree is not None and tree.id == tid:
                     self._one_tree.setdefault(tid, tree)
 
+    def adopt(self, trees: Mapping[str, NodeTree]) -> None:
+        """Take node trees (by id) that another index of this store read (and checked against
+        their ids, as every read does), e.g. in the same ``verify`` run."""
+        with self._trees_lock:
+            for tid, tree in trees.items():
+                self._one_tree.setdefault(tid, tree)
+
     def node(self, path: str) -> tuple[str, NodeTree] | None:
         """(tree id, tree) of node ``path``, or None if the snapshot has no such node.
 

@@ -76,13 +76,16 @@ def _walk(parts: StoreParts, start: str, kept: set[str], limit: int | None) -> N
 def reachable(parts: StoreParts, keep_last: int | None = None, progress: Progress | None = None) -> Reachable:
     dangling: list[str] = []
     out = Reachable(snapshots=snapshot_closure(parts, keep_last, dangling), dangling=dangling)
+    chunks_of: dict[str, list[str]] = {}  # tree id -> its chunk ids: each tree read once a run
     for i, sid in enumerate(sorted(out.snapshots)):
         info = parts.history.get(sid)
         out.trees.add(info.root)
         root = load_root(parts.objects, info.root)
         for path, tid in root.nodes.items():
             out.trees.add(tid)
-            for oid in load_node(parts.objects, tid).chunks.values():
+            if tid not in chunks_of:  # versions share most trees: read storage only for new ones
+                chunks_of[tid] = list(load_node(parts.objects, tid).chunks.values())
+            for oid in chunks_of[tid]:
                 out.objects.setdefault(oid, set()).add((sid, path))
         if progress:
             progress(sid, i + 1, len(out.snapshots))

@@ -10,6 +10,7 @@ from inshrink_store import residual
 from inshrink_store.admin.reachability import kept_residuals, snapshot_closure
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import InshrinkError
+from inshrink_store.manifest import NodeTree
 from inshrink_store.parts import StoreParts
 
 Progress = Callable[[str, int, int], None]
@@ -57,10 +58,13 @@ def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
             problems.append(Problem("snapshot", sid, str(exc)))
     users: dict[str, set[tuple[str, str]]] = {}
     trees = 0
+    checked: dict[str, NodeTree] = {}  # node trees read (and checked) in this run, by id
     for sid in sorted(snapshots):
         try:
             reader = parts.reader(parts.history.get(sid), objects=fresh)
-            for path, (_tid, tree) in reader.index.node_trees().items():
+            reader.index.adopt(checked)  # versions share most trees: read each from storage once
+            for path, (tid, tree) in reader.index.node_trees().items():
+                checked[tid] = tree
                 trees += 1
                 for oid in tree.chunks.values():
                     users.setdefault(oid, set()).add((sid, path))
