@@ -169,3 +169,41 @@ def test_fit_codebook_with_a_given_sketch_ignores_values_and_empty_gives_zero():
     assert np.array_equal(fit_codebook(None, 8, include_zero=False, sketch=LogSketch.from_values(x)),
                           fit_codebook(x, 8, include_zero=False))
     assert fit_codebook(np.zeros(0), 8, include_zero=True).tolist() == [0.0]
+
+
+def _lloyd_by_passes(points: np.ndarray, weights: np.ndarray, centres: np.ndarray,
+                     pinned: float | None = None) -> np.ndarray:
+    """The textbook Lloyd iteration (assign every point, sum per cluster), as a reference."""
+    from inshrink_store.policy.kmeans import ITERS, assign
+
+    c = np.unique(centres)
+    for _ in range(ITERS):
+        labels = assign(points, c)
+        mass = np.bincount(labels, weights=weights, minlength=c.size)
+        moment = np.bincount(labels, weights=weights * points, minlength=c.size)
+        new = np.where(mass > 0, moment / np.where(mass > 0, mass, 1), c)
+        if pinned is not None:
+            new[c == pinned] = pinned
+        new = np.sort(new)
+        if np.allclose(new, c, rtol=1e-12, atol=0):
+            break
+        c = new
+    return np.unique(c)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(2, 400), st.booleans())
+def test_lloyd_on_runs_of_sorted_points_matches_assigning_every_point(seed, k, n, pin):
+    """lloyd() sums clusters as prefix-sum differences of the sorted points; the centres are
+    those of the pass-over-every-point iteration (empty clusters and a pinned zero included)."""
+    from inshrink_store.policy.kmeans import lloyd
+
+    rng = np.random.default_rng(seed)
+    points = np.unique(np.round(rng.standard_t(3, n), 3))
+    weights = rng.uniform(0.0, 2.0, points.size) * (rng.random(points.size) < 0.8)
+    start = np.unique(np.concatenate([rng.choice(points, min(k, points.size)), [0.0] if pin else []]))
+    pinned = 0.0 if pin else None
+    got = lloyd(points, weights, start, pinned=pinned)
+    want = _lloyd_by_passes(points, weights, start, pinned=pinned)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
