@@ -38,7 +38,7 @@ from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, loss, through_dtype, weighted_kmeans
-from inshrink_store.policy.partition import QuantizedTensor
+from inshrink_store.policy.partition import QuantizedTensor, sum_of_products
 from inshrink_store.policy.planner import array_plan
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.sketch import BLOCK
@@ -186,10 +186,10 @@ def compare(exact: np.ndarray, stored: np.ndarray) -> tuple[float, float]:
         if not ok.all():
             a, b = a[ok], b[ok]
         d = a - b
-        dot += float(np.dot(a, b))
-        aa += float(np.dot(a, a))
-        bb += float(np.dot(b, b))
-        dd += float(np.dot(d, d))
+        dot += sum_of_products(a, b)
+        aa += sum_of_products(a, a)
+        bb += sum_of_products(b, b)
+        dd += sum_of_products(d, d)
     if aa == 0.0:
         return (1.0, 0.0) if bb == 0.0 else (0.0, math.inf)
     cosine = dot / math.sqrt(aa * bb) if bb > 0 else 0.0

@@ -39,6 +39,13 @@ __all__ = [
 LAYER_TYPES = ("linear", "conv", "embedding", "norm", "other")
 
 
+def sum_of_products(a: np.ndarray, b: np.ndarray) -> float:
+    """Sum of products on this thread. Not ``np.dot``: BLAS splits long vectors over its own
+    threads, so the sum's rounding (and every decision made on it) would depend on how many
+    there are, and idle BLAS threads spin on the cores the writer's threads need."""
+    return float(np.einsum("i,i->", a, b))
+
+
 def _inferred_dtype(values: np.ndarray) -> str:
     """The logical name of an undeclared float array (``F32``...), else numpy's name:
     a non-float tensor is never quantized, so its name only has to be informative."""
@@ -202,7 +209,7 @@ def _sq_error(w: np.ndarray, mask: np.ndarray, centres: np.ndarray) -> float:
     for start in range(0, flat.size, BLOCK):
         x = flat[start:start + BLOCK][m[start:start + BLOCK]]
         d = x.astype(np.float64) - c32.take(nearest_index(x, c32))
-        total += float(np.dot(d, d))
+        total += sum_of_products(d, d)
     return total
 
 
@@ -260,8 +267,8 @@ def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
         if not np.isfinite(a).all():
             fin = np.isfinite(a)
             a, d = a[fin], d[fin]
-        num += float(np.dot(d, d))
-        den += float(np.dot(a, a))
+        num += sum_of_products(d, d)
+        den += sum_of_products(a, a)
         peak = max(peak, float(np.abs(d).max(initial=0.0)))
     return (float(np.sqrt(num / den)) if den > 0 else 0.0), peak
 
