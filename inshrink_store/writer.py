@@ -13,6 +13,7 @@ is written as its carrier (uint16 bit patterns) with the logical dtype in
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -22,13 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import xxhash
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec
 
 from inshrink_store import dtypes
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec
-from inshrink_store.errors import FormatError
+from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.index import ATTR, SnapshotIndex
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 
@@ -165,7 +167,11 @@ def write_arrays(
             data, codecs = plan.values, {"serializer": plan.serializer, "compressors": None}
         else:
             data, codecs = array, lossless_codecs(array, names[path])
-        create_array(store, path, data, codecs, chunking, {ATTR: meta})
+            meta["content"] = lossless_digest(array, names[path], codecs, chunking(array.shape, array.dtype.itemsize))
+        if plan is None and _parent_content(store, path) == meta["content"] and store.adopt_from_parent(path):
+            pass  # the parent stored these exact bits the same way: its chunks, no encoding
+        else:
+            create_array(store, path, data, codecs, chunking, {ATTR: meta})
         if progress:
             with done_lock:
                 done += 1
@@ -185,6 +191,31 @@ def write_arrays(
             future.exception()
         for future in futures:
             future.result()
+
+
+def lossless_digest(array: np.ndarray, dtype: str, codecs: Mapping[str, Any], chunks: tuple[int, ...]) -> str:
+    """xxh3-128 of a lossless tensor's bits and of how the writer stores them (dtype, shape,
+    chunks, codec settings), kept in its zarr.json as ``attributes.inshrink.content``: the
+    next save of the same bits with the same settings adopts the parent's chunks instead of
+    encoding them again (frozen layers, an unchanged state saved again)."""
+    h = xxhash.xxh3_128()
+    described = [c.to_dict() for c in (codecs["serializer"], *(codecs.get("compressors") or ()))]
+    h.update(json.dumps([dtype, list(array.shape), list(chunks), described], sort_keys=True).encode())
+    h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def _parent_content(store: InshrinkStore, path: str) -> str | None:
+    """``attributes.inshrink.content`` of array ``path`` in the parent of ``store``'s session."""
+    parent = getattr(store.view, "parent", None)
+    if parent is None:
+        return None
+    try:
+        info = parent.index.array(path)
+    except InshrinkError:
+        return None  # a damaged parent tree: write the tensor afresh
+    content = info.attributes.get("content") if info is not None else None
+    return content if isinstance(content, str) else None
 
 
 def write_threads() -> int:

@@ -166,6 +166,32 @@ class PendingChunks:
         with self._lock:
             self.entries.pop(key, None)
 
+    def adopt_from_parent(self, path: str) -> bool:
+        """Take array ``path`` as the parent stores it (its zarr.json, every chunk id, and the
+        documents of the groups above it this view lacks); False if the parent has no node
+        ``path``. Nothing is read but the parent's trees: its objects are stored already."""
+        if self.parent is None:
+            return False
+        found = self.parent.index.node(path)
+        if found is None or found[1].metadata is None:
+            return False
+        tree, metadata = found[1], found[1].metadata
+        adopted = {f"{path}/{METADATA_KEY}": Entry(inline=metadata.encode())}
+        adopted.update({f"{path}/{rel}": Entry(oid=oid) for rel, oid in tree.chunks.items()})
+        parts = path.split("/")
+        for cut in range(len(parts)):
+            group = "/".join(parts[:cut])
+            key = f"{group}/{METADATA_KEY}" if group else METADATA_KEY
+            above = self.parent.index.node(group)
+            if above is not None and above[1].metadata is not None:
+                adopted.setdefault(key, Entry(inline=above[1].metadata.encode()))
+        with self._lock:
+            for key, entry in adopted.items():
+                if key.endswith(METADATA_KEY) and key != f"{path}/{METADATA_KEY}" and key in self.entries:
+                    continue  # a group this save already wrote keeps its own document
+                self.entries[key] = entry
+        return True
+
     def clear(self) -> None:
         with self._lock:
             self.entries.clear()
@@ -243,6 +269,15 @@ class InshrinkStore(Store):
     def __repr__(self) -> str:
         kind = "snapshot" if isinstance(self._view, SnapshotChunks) else "transaction"
         return f"InshrinkStore({kind} of {self._view.objects.storage.url!r})"
+
+    @property
+    def view(self) -> SnapshotChunks | PendingChunks:
+        """The snapshot or write session this store reads and writes."""
+        return self._view
+
+    def adopt_from_parent(self, path: str) -> bool:
+        """See :meth:`PendingChunks.adopt_from_parent` (False on a read-only snapshot)."""
+        return isinstance(self._view, PendingChunks) and self._view.adopt_from_parent(path)
 
     def with_read_only(self, read_only: bool = False) -> InshrinkStore:
         return type(self)(self._view, read_only=read_only)
