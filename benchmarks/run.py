@@ -12,7 +12,8 @@ real training run checkpointing into the store (with and without regrouping and
 deltas); the whole training state with Adam's moments compressed vs lossless, and
 training resumed from compressed moments (a plot in docs/img/); ten failures in one run,
 resumed exactly and lossily (a plot); where a quantized save and a restore spend their
-CPU, stage by stage, against the throughput targets; the HTTP requests each store operation makes on
+CPU, stage by stage, against the throughput targets; save and restore time from 1 M to
+300 M parameters (a plot); the HTTP requests each store operation makes on
 S3 (moto's server on loopback). The entropy-coder study has its own command (``bench_entropy_coders.py``)
 and page (``docs/understanding/deltas.md``): it is research, not a target.
 Timings are wall clock on whatever machine runs this; the page records which.
@@ -39,6 +40,7 @@ import bench_lossless  # noqa: E402
 import bench_moments  # noqa: E402
 import bench_quantization  # noqa: E402
 import bench_requests  # noqa: E402
+import bench_scaling  # noqa: E402
 import bench_stages  # noqa: E402
 import bench_store  # noqa: E402
 import bench_training  # noqa: E402
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
          lambda: bench_fault_tolerance.markdown(quick=args.quick)),
         ("Where a quantized save and a restore spend their time", "stages",
          lambda: bench_stages.to_markdown(bench_stages.run(quick=args.quick))),
+        ("Cost against model size: 1 M to 300 M parameters", "scaling",
+         lambda: bench_scaling.to_markdown(bench_scaling.run(quick=args.quick))),
         ("Requests against an object store (S3)", "object-store requests",
          lambda: bench_requests.to_markdown(bench_requests.run(quick=args.quick))),
     ]
