@@ -159,7 +159,8 @@ class Trial:
 @dataclass(frozen=True)
 class SearchResult:
     """The chosen point (None: nothing feasible), every trial in order, and how it was found:
-    ``"full"`` (no previous), ``"neighbourhood"``, or ``"fallback"`` (full search after an
+    ``"full"`` (no previous), ``"neighbourhood"``, ``"budget"`` (stopped when its evaluation
+    budget was spent), or ``"fallback"`` (full search after an
     infeasible neighbourhood)."""
 
     best: SearchPoint | None
@@ -186,13 +187,19 @@ def _le(a: Index, b: Index) -> bool:
     return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2]
 
 
+class _OutOfBudget(Exception):
+    """The evaluation budget is spent: the search stops with the best point it evaluated."""
+
+
 class _Evaluator:
     """Calls each callback at most once per point, infers what monotone quality decides,
     and records the trials in first-touch order."""
 
     def __init__(self, space: SearchSpace, measure_ratio: Callable[[SearchPoint], float],
-                 is_feasible: Callable[[SearchPoint], tuple[bool, float]]) -> None:
+                 is_feasible: Callable[[SearchPoint], tuple[bool, float]],
+                 budget: int | None = None) -> None:
         self.space, self.measure_ratio, self.is_feasible = space, measure_ratio, is_feasible
+        self.budget = budget
         self.ratios: dict[SearchPoint, float] = {}
         self.answers: dict[SearchPoint, bool] = {}
         self.known: dict[tuple[str, bool], list[Index]] = {}
@@ -211,6 +218,8 @@ class _Evaluator:
     def evaluate(self, p: SearchPoint) -> bool:
         """Really run ``is_feasible`` (once per point)."""
         if p not in self.answers:
+            if self.budget is not None and len(self.answers) >= self.budget:
+                raise _OutOfBudget
             ratio = self.ratio(p)  # first, so the trial keeps its first-touch slot
             ok, quality = self.is_feasible(p)
             self.answers[p] = bool(ok)
@@ -298,7 +307,7 @@ def _neighbourhood(ev: _Evaluator, previous: SearchPoint, metrics: Sequence[str]
 
 def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[[SearchPoint], tuple[bool, float]],
            *, previous: HasSearchAxes | None = None, space: SearchSpace | None = None,
-           metrics_available: Sequence[str] = METRICS) -> SearchResult:
+           metrics_available: Sequence[str] = METRICS, max_evaluations: int | None = None) -> SearchResult:
     """The feasible point with the highest measured ratio (best=None if none is feasible:
     the caller then stores losslessly or with its most conservative configuration).
 
@@ -307,22 +316,31 @@ def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[
     most once per point; the same callbacks give the same trials in the same order.
     ``previous`` (any object with the four axes, e.g. a QuantConfig) selects the
     neighbourhood search; if its metric is not available, the first available one is used.
+    ``max_evaluations`` caps the calls of ``is_feasible`` (for an expensive ``eval_fn``): when
+    it is spent, the search stops with the best feasible point it evaluated (mode
+    ``"budget"``; None if it evaluated none).
     """
+    if max_evaluations is not None and (isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int)
+                                        or max_evaluations < 1):
+        raise FormatError(f"Expected max_evaluations to be an int >= 1 or None. Got {max_evaluations!r} instead.")
     space = space if space is not None else SearchSpace()
     metrics = [m for m in space.metrics if m in metrics_available]
     if not metrics:
         raise FormatError(f"Expected metrics_available to share a metric with {space.metrics}. Got "
                           f"{tuple(metrics_available)} instead. Pass ('magnitude',) at least.")
-    ev = _Evaluator(space, measure_ratio, is_feasible)
+    ev = _Evaluator(space, measure_ratio, is_feasible, max_evaluations)
     mode = "full"
-    if previous is not None:
-        prev = previous if isinstance(previous, SearchPoint) else SearchPoint.of(previous)
-        if prev.prune_metric not in metrics:
-            prev = SearchPoint(prev.bins, prev.prune, metrics[0], prev.protect)
-        found = _neighbourhood(ev, prev, metrics)
-        if found is not None:
-            return SearchResult(found, ev.trials, "neighbourhood")
-        mode = "fallback"
-    for metric in metrics:
-        _guided(ev, metric)
+    try:
+        if previous is not None:
+            prev = previous if isinstance(previous, SearchPoint) else SearchPoint.of(previous)
+            if prev.prune_metric not in metrics:
+                prev = SearchPoint(prev.bins, prev.prune, metrics[0], prev.protect)
+            found = _neighbourhood(ev, prev, metrics)
+            if found is not None:
+                return SearchResult(found, ev.trials, "neighbourhood")
+            mode = "fallback"
+        for metric in metrics:
+            _guided(ev, metric)
+    except _OutOfBudget:
+        return SearchResult(ev.best, ev.trials, "budget")
     return SearchResult(ev.best, ev.trials, mode)

@@ -78,7 +78,9 @@ class SearchPolicy:
     default, ``"compressed"``: Adam's moments pruned with the weights and quantized, each
     tensor checked by the Adam update it drives), ``"lossless"`` or None (bit-exact), or any
     planner (e.g. ``StatePlanner(QuantConfig(...), scope="optimizer/")``, unchecked).
-    ``keep``: candidate PlanSets held at once. ``resume_space`` replaces ``space`` for
+    ``keep``: candidate PlanSets held at once. ``max_evaluations``: at most this many
+    ``eval_fn`` calls per checkpoint (None: no limit), for an expensive ``eval_fn``; the best
+    feasible configuration evaluated by then is stored (lossless if none was). ``resume_space`` replaces ``space`` for
     versions a restart loads as stored (:meth:`resuming`; the Checkpointer with
     ``exact_resume=0``): see :data:`RESUME_SPACE`.
     """
@@ -90,6 +92,7 @@ class SearchPolicy:
     optimizer: Planner | MomentPolicy | str | None = DEFAULT_MOMENTS
     keep: int = KEEP
     resume_space: SearchSpace = field(default_factory=lambda: RESUME_SPACE)
+    max_evaluations: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, str) and self.optimizer in OPTIMIZER_POLICIES:
@@ -109,6 +112,10 @@ class SearchPolicy:
              "(e.g. StatePlanner(..., scope='optimizer/')) or None", self.optimizer),
             (isinstance(self.keep, int) and not isinstance(self.keep, bool) and self.keep >= 1,
              "keep an int >= 1", self.keep),
+            (self.max_evaluations is None or (isinstance(self.max_evaluations, int)
+                                              and not isinstance(self.max_evaluations, bool)
+                                              and self.max_evaluations >= 1),
+             "max_evaluations an int >= 1 or None (no limit)", self.max_evaluations),
         ]
         for ok, what, got in checks:
             if not ok:
@@ -182,7 +189,7 @@ class SearchPolicy:
             return self.within(quality, baseline), quality
 
         return search(measure_ratio, is_feasible, previous=previous, space=self.space,
-                      metrics_available=candidates.metrics_available)
+                      metrics_available=candidates.metrics_available, max_evaluations=self.max_evaluations)
 
     def _with_optimizer(self, model: PlanSet | None,
                         candidates: Candidates) -> tuple[PlanSet | None, MomentRecord | None]:

@@ -274,3 +274,35 @@ def test_previous_off_the_axes_and_no_usable_metric_are_rejected() -> None:
         _run(cube, previous=SearchPoint(10, 0.0, "magnitude", 0.01))
     with pytest.raises(FormatError, match="Expected metrics_available"):
         _run(cube, metrics_available=("hessian",))
+
+
+@settings(max_examples=50, deadline=None)
+@given(cube=cubes, budget=st.integers(1, 12), with_previous=st.booleans(), start=indices)
+def test_an_evaluation_budget_caps_eval_calls_and_keeps_the_best_evaluated(
+    cube: Cube, budget: int, with_previous: bool, start: tuple[int, int, int]
+) -> None:
+    """max_evaluations: is_feasible runs at most that often; the answer is the feasible point
+    with the highest ratio among those evaluated (None when none was feasible), and a budget
+    the search never reaches changes nothing."""
+    previous = SPACE.point(start, "magnitude") if with_previous else None
+    unlimited = _run(Cube(cube.generators, cube.perturb, cube.metric_factor), previous=previous)
+    result = _run(cube, previous=previous, max_evaluations=budget)
+    _assert_honest(result, cube)
+    assert result.evaluations <= budget
+    if unlimited.evaluations <= budget:
+        assert (result.best, result.mode) == (unlimited.best, unlimited.mode)
+    else:
+        assert result.mode == "budget"
+        feasible = [t for t in result.trials if t.feasible]
+        best = max(feasible, key=lambda t: t.ratio, default=None)
+        assert result.best == (None if best is None else best.point) or (
+            best is not None and cube.true_ratio(result.best) == best.ratio)
+    roundtrip = SearchResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert roundtrip.mode == result.mode and roundtrip.best == result.best
+
+
+def test_a_bad_evaluation_budget_is_refused() -> None:
+    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], {m: 1.0 for m in SPACE.metrics})
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(FormatError, match="max_evaluations"):
+            _run(cube, max_evaluations=bad)

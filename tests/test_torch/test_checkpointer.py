@@ -478,3 +478,22 @@ def test_without_a_residual_versions_are_searched_in_the_resume_space(url: str) 
     assert custom.resuming().space.bins == (64,) and custom.resuming().resume_space == custom.resume_space
     with pytest.raises(ins.FormatError, match="resume_space"):
         ins.policy.SearchPolicy(resume_space=(256,))  # type: ignore[arg-type]
+
+
+def test_an_evaluation_budget_bounds_eval_fn_calls_per_checkpoint(url: str) -> None:
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    calls = []
+
+    def eval_fn(m: Any) -> float:
+        calls.append(1)
+        return _accuracy(m, x, y)
+
+    policy = ins.policy.SearchPolicy(tolerance=0.05, space=SMALL_SPACE, max_evaluations=2)
+    with Checkpointer(repo, model, opt, eval_fn=eval_fn, policy=policy) as ck:
+        _train(model, opt, x, y, 20, ck)
+        ck.save(20)
+        search = ck.wait().metadata["quantization"]["search"]
+    assert search["evaluations"] <= 2 and len(calls) <= 3  # plus the unquantized baseline
+    with pytest.raises(ins.FormatError, match="max_evaluations"):
+        ins.policy.SearchPolicy(max_evaluations=0)
