@@ -37,6 +37,7 @@ import torch
 
 import inshrink_store as ins
 from inshrink_store.policy import SearchPolicy
+from inshrink_store.policy.search import SearchSpace
 from inshrink_store.torch import Checkpointer
 from inshrink_store.torch.demo import load_digits_split, make_model
 
@@ -275,5 +276,30 @@ def markdown(quick: bool = False) -> str:
     return "\n".join(lines)
 
 
+#: the weights' configuration of every version in the sweep (exact_resume=0, moments compressed)
+SWEEP = {"the default search space": None, "16 levels, no pruning": 16, "64 levels, no pruning": 64,
+         "256 levels, no pruning (the resume space)": 256}
+
+
+def sweep(quick: bool = False) -> str:
+    """Why exact_resume=0 searches the resume space: the final loss after ten lossy restores
+    with the weights stored at fixed resolutions (``--sweep``; docs/guides/what-you-get-back.md)."""
+    warnings.simplefilter("ignore", UserWarning)
+    workloads = [_digits(300 if quick else 600), _language(200 if quick else 500)]
+    lines = ["| weights stored with | " + " | ".join(w.name for w in workloads) + " |",
+             "|---|" + "---|" * len(workloads)]
+    base = {w.name: run(w, None).final for w in workloads}
+    for label, bins in SWEEP.items():
+        cells = []
+        for w in workloads:
+            space = (SearchPolicy().space if bins is None
+                     else SearchSpace(bins=(bins,), prune=(0.0,), metrics=("magnitude",), protect=(0.005,)))
+            # resume_space=space: with exact_resume=0 the Checkpointer searches the resume space
+            r = run(w, 0, space=space, resume_space=space)
+            cells.append(f"{(r.final - base[w.name]) / base[w.name]:+.2%}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(markdown(quick="--quick" in sys.argv))
+    print(sweep(quick="--quick" in sys.argv) if "--sweep" in sys.argv else markdown(quick="--quick" in sys.argv))

@@ -48,8 +48,8 @@ class PolicyArgs(TypedDict, total=False):
 #: stored model, and the damage adds up over restores even when every single version is
 #: within the tolerance: after 10 evenly spaced restores a small transformer LM ended
 #: +4.9 % (the default space) / +3.4 % (16 levels) / +0.9 % (64) / +0.1 % (256) above an
-#: uninterrupted run, the digits MLP +10.9 % / +14.7 % / +2.0 % / -0.3 %
-#: (benchmarks/bench_fault_tolerance.py; docs/guides/what-you-get-back.md).
+#: uninterrupted run, the digits MLP +33 % / +24 % / +2.0 % / -0.1 %
+#: (``python benchmarks/bench_fault_tolerance.py --sweep``; docs/guides/what-you-get-back.md).
 RESUME_SPACE = SearchSpace(bins=(256,), prune=(0.0,), metrics=("magnitude",), protect=(0.005,))
 
 #: the ``optimizer`` values that name a policy: Adam moments compressed (guarded) or lossless
