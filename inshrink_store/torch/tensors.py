@@ -50,8 +50,12 @@ def _bit_view(entry: dtypes.DType) -> tuple[np.dtype, Any]:
     return signed, _BY_NAME[dtypes.of_array(np.empty(0, signed)).name]
 
 
-def tensor_to_array(tensor: Any, path: str) -> tuple[np.ndarray, str]:
-    """A contiguous CPU numpy copy and the logical dtype name; unsupported dtypes are errors."""
+def tensor_to_array(tensor: Any, path: str, copy: bool = True) -> tuple[np.ndarray, str]:
+    """A contiguous CPU numpy copy and the logical dtype name; unsupported dtypes are errors.
+
+    ``copy=False`` (a save that ends before the caller goes on) gives a read-only view of a
+    contiguous CPU tensor's memory instead: no copy, and an attempt to write through it
+    raises rather than change the caller's tensor."""
     if tensor.dtype not in TORCH_DTYPES:
         supported = ", ".join(TORCH_DTYPES.values())
         raise FormatError(
@@ -68,8 +72,14 @@ def tensor_to_array(tensor: Any, path: str) -> tuple[np.ndarray, str]:
     entry = dtypes.get(name, f"tensor {path!r}")
     t = tensor.detach().to("cpu").contiguous()
     if entry.carried_as_bits:
-        return t.view(_bit_view(entry)[1]).numpy().view(entry.carrier).copy(), name
-    return t.numpy().copy(), name
+        array = t.view(_bit_view(entry)[1]).numpy().view(entry.carrier)
+    else:
+        array = t.numpy()
+    if copy:
+        return array.copy(), name
+    view = array.view()
+    view.flags.writeable = False
+    return view, name
 
 
 def array_to_tensor(array: np.ndarray, name: str) -> Any:
@@ -92,12 +102,13 @@ def _storage_identity(tensor: Any) -> Any:
             tuple(tensor.stride()), tensor.dtype)
 
 
-def state_to_arrays(state: Any) -> tuple[dict[str, np.ndarray], dict[str, str], Any]:
-    """Nested state -> (path -> array, path -> logical dtype, JSON skeleton)."""
+def state_to_arrays(state: Any, copy: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str], Any]:
+    """Nested state -> (path -> array, path -> logical dtype, JSON skeleton); ``copy``: see
+    :func:`tensor_to_array`."""
     leaves, skeleton = flatten(state, lambda x: isinstance(x, torch.Tensor), _storage_identity)
     arrays, dtypes = {}, {}
     for path, tensor in leaves.items():
-        arrays[path], dtypes[path] = tensor_to_array(tensor, path)
+        arrays[path], dtypes[path] = tensor_to_array(tensor, path, copy)
     return arrays, dtypes, skeleton
 
 
@@ -144,7 +155,8 @@ def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, mom
 
     if not isinstance(state, Mapping):
         raise FormatError(f"Expected a dict of state (e.g. {{'model': ...}}). Got {type(state).__name__}.")
-    arrays, dtypes, skeleton = state_to_arrays(dict(state))
+    # the save ends before this returns: read the tensors in place (read-only views), no copy
+    arrays, dtypes, skeleton = state_to_arrays(dict(state), copy=False)
     if isinstance(quantize, QuantConfig):
         quantize = StatePlanner(quantize, module_kinds=infer_module_kinds(arrays))
     if moments is not None:

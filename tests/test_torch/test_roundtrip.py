@@ -595,3 +595,34 @@ def test_export_safetensors_is_bit_exact(memory_url: str, tmp_path: Path) -> Non
         assert_tensor_same(loaded[k], want, k)
     # and the file imports back to the same version content
     assert_same(load_checkpoint_file(out)["model"], {k: loaded[k] for k in loaded})
+
+
+@pytest.mark.parametrize("quantize", [None, "config"])
+def test_save_state_reads_the_tensors_in_place_and_never_changes_them(memory_url: str, quantize: Any) -> None:
+    """save_state does not copy the state (it ends before returning): it reads read-only
+    views, so the lossless and quantized paths, the moments planner included, leave every
+    tensor (contiguous, transposed, bfloat16) bit for bit as it was."""
+    from inshrink_store.policy import QuantConfig
+    from inshrink_store.policy.moments import MomentPolicy
+
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 96, generator=g)).sum().backward()
+    opt.step()
+    state = {"model": {**model.state_dict(), "t": torch.randn(80, 64, generator=g).t(),
+                       "half": torch.randn(4096, generator=g).to(torch.bfloat16)},
+             "optimizer": opt.state_dict()}
+    before = {k: v.clone() for k, v in state["model"].items()}
+    before_opt = {i: {k: t.clone() for k, t in s.items()} for i, s in state["optimizer"]["state"].items()}
+    repo = ins.open(memory_url, create=True)
+    config = QuantConfig(bins=8, min_numel=1024) if quantize else None
+    save_state(repo, state, quantize=config, moments=MomentPolicy(min_numel=1024) if quantize else None)
+    for k, v in state["model"].items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.bfloat16 else v,
+                           before[k].view(torch.uint8) if v.dtype == torch.bfloat16 else before[k]), k
+    for i, s in state["optimizer"]["state"].items():
+        assert all(torch.equal(t, before_opt[i][k]) for k, t in s.items()), i
+    loaded = load_state(repo, "main")
+    if quantize is None:
+        assert all(torch.equal(loaded["model"][k], v) for k, v in before.items())
