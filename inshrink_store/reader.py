@@ -32,6 +32,7 @@ from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 #: the most bytes one chunk may decode to per stored byte of its object (the writer's worst
 #: case, an all-zero quantized chunk, is about 42,000; blosc'd zeros about 4,000)
 MAX_CHUNK_EXPANSION = 1 << 17
+_PARALLEL_READS = 8  # tensors read at once by read_many
 _PARALLEL_SIZES = 8
 
 
@@ -170,8 +171,25 @@ class SnapshotReader:
             return entry.to_float32(data)
         return data
 
+    def read_many(self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+                  ) -> dict[str, np.ndarray]:
+        """:meth:`read` of each name (then ``transform(path, array)``), several tensors at once:
+        on an object store each read waits on requests, and a restore reads every tensor.
+        The first failure in the order of ``names`` is raised, after every read ended."""
+        def one(name: str) -> np.ndarray:
+            array = self.read(name)
+            return transform(name, array) if transform is not None else array
+
+        if len(names) <= 1:
+            return {name: one(name) for name in names}
+        with ThreadPoolExecutor(min(_PARALLEL_READS, len(names)), thread_name_prefix="inshrink-read") as pool:
+            futures = [pool.submit(one, name) for name in names]
+            for future in futures:
+                future.exception()
+            return {name: future.result() for name, future in zip(names, futures, strict=True)}
+
     def load(self) -> dict[str, np.ndarray]:
-        return {path: self.read(path) for path in self.names()}
+        return self.read_many(self.names())
 
     def dtypes(self) -> dict[str, str]:
         return {p: i.dtype for p, i in self.arrays().items()}

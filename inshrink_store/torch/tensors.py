@@ -236,18 +236,33 @@ def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = 
     skeleton = reader.attributes.get(STRUCTURE_ATTR)
     parts = _prefix_parts(prefix)
 
-    def read(path: str) -> np.ndarray:
-        stored = reader.read(path)
+    def exact(path: str, stored: np.ndarray) -> np.ndarray:
         return stored if residual is None else residual.exact(path, stored)
 
+    def read_all(paths: list[str]) -> dict[str, Any]:
+        """The tensors at ``paths``: read side by side, each array handed to torch as it is
+        (freshly read, so no copy but where it is not contiguous or not writeable)."""
+        arrays = reader.read_many(paths, exact)
+        return {p: _fresh_to_tensor(arrays.pop(p), dtypes[p]) for p in paths}
+
     if skeleton is None:  # written by plain repo.save: a flat dict by path
-        return _flat_state(reader, dtypes, parts, device, read)
+        return _flat_state(reader, parts, device, read_all)
     node = _subtree(skeleton, parts, reader.id)
     paths = sorted(_leaf_paths(node))
-    tensors = {p: array_to_tensor(read(p), dtypes[p]) for p in paths}
+    tensors = read_all(paths)
     if device is not None:  # before unflatten: a tied tensor is moved once and stays tied
         tensors = {p: t.to(device) for p, t in tensors.items()}
     return unflatten(node, tensors)
+
+
+def _fresh_to_tensor(array: np.ndarray, name: str) -> Any:
+    """:func:`array_to_tensor` for an array nobody else holds (just read): shared, not copied."""
+    if array.ndim and array.flags.c_contiguous and array.flags.writeable and name in _BY_NAME:
+        entry = dtypes.get(name)
+        if entry.carried_as_bits:
+            return torch.from_numpy(array.view(_bit_view(entry)[0])).view(_BY_NAME[name])
+        return torch.from_numpy(array)
+    return array_to_tensor(array, name)
 
 
 def _device(map_location: Any) -> Any:
@@ -317,8 +332,8 @@ def _leaf_paths(node: Any) -> set[str]:
     return found
 
 
-def _flat_state(reader: Any, dtypes: Mapping[str, str], parts: list[str], device: Any,
-                read: Callable[[str], np.ndarray]) -> Any:
+def _flat_state(reader: Any, parts: list[str], device: Any,
+                read_all: Callable[[list[str]], dict[str, Any]]) -> Any:
     """A store written by plain ``repo.save``: path -> tensor, under ``prefix`` if given
     (paths relative to it; the prefix naming one tensor gives that tensor)."""
     base = "/".join(parts)
@@ -329,10 +344,8 @@ def _flat_state(reader: Any, dtypes: Mapping[str, str], parts: list[str], device
         raise NotFoundError(
             f"Expected tensors under {base!r} in snapshot {reader.id[:12]}. Got none instead; choose "
             f"one of {tops} (or prefix=None for everything).")
-    out = {}
-    for path, key in chosen.items():
-        tensor = array_to_tensor(read(path), dtypes[path])
-        out[key] = tensor if device is None else tensor.to(device)
+    tensors = read_all(list(chosen))
+    out = {key: tensors[path] if device is None else tensors[path].to(device) for path, key in chosen.items()}
     return out.get("", out)
 
 
