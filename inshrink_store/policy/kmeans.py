@@ -87,7 +87,11 @@ def lloyd(points: np.ndarray, weights: np.ndarray, centres: np.ndarray, iters: i
         mass = mass_upto[cuts[1:]] - mass_upto[cuts[:-1]]
         moment = moment_upto[cuts[1:]] - moment_upto[cuts[:-1]]
         full = (cuts[1:] > cuts[:-1]) & (mass > 0)
-        new = np.where(full, moment / np.where(full, mass, 1), c)
+        mean = moment / np.where(full, mass, 1)
+        # a difference of prefix sums can round a mean just past its run of points (past a
+        # float16's largest value, say): a mean lies within them, so it is clipped there
+        first, last = points[np.minimum(cuts[:-1], points.size - 1)], points[np.maximum(cuts[1:] - 1, 0)]
+        new = np.where(full, np.clip(mean, first, last), c)
         if pinned is not None:
             new[c == pinned] = pinned
         new = np.sort(new)
@@ -183,4 +187,17 @@ def fit_codebook(values: Any, k: int, *, include_zero: bool, sketch: LogSketch |
         centres = weighted_kmeans(reps[nonzero], counts[nonzero], fit_k, sigma=sigma, init=init)
         weights = bucket_weights(reps, counts.astype(np.float64), sigma)
         centres = lloyd(reps, weights, np.union1d(centres, [0.0]), pinned=0.0)
-    return np.unique(through_dtype(centres, dtype)).astype(np.float64)
+    # A bucket's representative may lie just past the dtype's largest value (values near a
+    # float16's 65504): such a centre would round to infinity. The largest value is the
+    # closest centre the dtype has there.
+    big = largest_finite(dtype)
+    return np.unique(through_dtype(np.clip(centres, -big, big), dtype)).astype(np.float64)
+
+
+def largest_finite(dtype: str) -> float:
+    """The largest finite value of a float dtype (``F32``, ``F16``, ``BF16``...)."""
+    entry = dtype_registry.get(dtype)
+    if entry.carried_as_bits:  # the bit pattern just below +inf's
+        inf_bits = np.asarray(entry.from_float32(np.float32(np.inf))).astype(np.int64)
+        return float(entry.to_float32(np.asarray(inf_bits - 1, entry.carrier)))
+    return float(np.finfo(entry.carrier).max)

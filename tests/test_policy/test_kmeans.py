@@ -207,3 +207,24 @@ def test_lloyd_on_runs_of_sorted_points_matches_assigning_every_point(seed, k, n
     want = _lloyd_by_passes(points, weights, start, pinned=pinned)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32"])
+def test_values_at_the_dtypes_largest_give_finite_centres(dtype: str) -> None:
+    """A log bucket's representative can lie past the dtype's largest value (float16 values
+    near 65504): the centre is clipped there instead of rounding to infinity (found by
+    hypothesis through the restore-residual test)."""
+    from inshrink_store import dtypes
+    from inshrink_store.policy.kmeans import largest_finite
+
+    big = largest_finite(dtype)
+    entry = dtypes.get(dtype)
+    assert np.isfinite(big) and entry.round_float32(np.float32(big)) == np.float32(big)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([np.float32(big) * rng.uniform(0.9, 1.0, 64).astype(np.float32),
+                             -np.float32(big) * rng.uniform(0.9, 1.0, 64).astype(np.float32),
+                             rng.standard_normal(64).astype(np.float32)])
+    values = entry.round_float32(values)
+    for include_zero in (False, True):
+        centres = fit_codebook(values, 4, include_zero=include_zero, dtype=dtype)
+        assert np.all(np.isfinite(centres)) and np.all(np.abs(centres) <= big)
