@@ -10,6 +10,7 @@ allocate what its bytes cannot justify.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,7 +33,7 @@ from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 #: the most bytes one chunk may decode to per stored byte of its object (the writer's worst
 #: case, an all-zero quantized chunk, is about 42,000; blosc'd zeros about 4,000)
 MAX_CHUNK_EXPANSION = 1 << 17
-_PARALLEL_READS = 8  # tensors read at once by read_many
+_PARALLEL_READS = 8  # tensors read at once by read_many from an object store (waits on requests)
 _PARALLEL_SIZES = 8
 
 
@@ -180,9 +181,13 @@ class SnapshotReader:
             array = self.read(name)
             return transform(name, array) if transform is not None else array
 
-        if len(names) <= 1:
+        storage = self.view.objects.storage
+        # an object store waits on requests; a local disk or memory on the cores
+        workers = min(len(names), _PARALLEL_READS if storage.protocol not in ("file", "local", "memory")
+                      else os.cpu_count() or 1)
+        if workers <= 1:
             return {name: one(name) for name in names}
-        with ThreadPoolExecutor(min(_PARALLEL_READS, len(names)), thread_name_prefix="inshrink-read") as pool:
+        with ThreadPoolExecutor(workers, thread_name_prefix="inshrink-read") as pool:
             futures = [pool.submit(one, name) for name in names]
             for future in futures:
                 future.exception()
