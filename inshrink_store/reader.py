@@ -28,6 +28,7 @@ from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exporte
     ArrayInfo,
     SnapshotIndex,
 )
+from inshrink_store.parallel import map_in_order
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 
 #: the most bytes one chunk may decode to per stored byte of its object (the writer's worst
@@ -183,15 +184,9 @@ class SnapshotReader:
 
         storage = self.view.objects.storage
         # an object store waits on requests; a local disk or memory on the cores
-        workers = min(len(names), _PARALLEL_READS if storage.protocol not in ("file", "local", "memory")
-                      else os.cpu_count() or 1)
-        if workers <= 1:
-            return {name: one(name) for name in names}
-        with ThreadPoolExecutor(workers, thread_name_prefix="inshrink-read") as pool:
-            futures = [pool.submit(one, name) for name in names]
-            for future in futures:
-                future.exception()
-            return {name: future.result() for name, future in zip(names, futures, strict=True)}
+        local = storage.is_local or storage.protocol == "memory"
+        arrays = map_in_order(one, names, (os.cpu_count() or 1) if local else _PARALLEL_READS, "inshrink-read")
+        return dict(zip(names, arrays, strict=True))
 
     def load(self) -> dict[str, np.ndarray]:
         return self.read_many(self.names())

@@ -18,7 +18,6 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,6 +31,7 @@ from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec
 from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.index import ATTR, SnapshotIndex
+from inshrink_store.parallel import map_in_order
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 
 CHUNK_BYTES = 4 << 20  # see docs/understanding/chunking.md
@@ -168,29 +168,19 @@ def write_arrays(
         else:
             data, codecs = array, lossless_codecs(array, names[path])
             meta["content"] = lossless_digest(array, names[path], codecs, chunking(array.shape, array.dtype.itemsize))
-        if plan is None and _parent_content(store, path) == meta["content"] and store.adopt_from_parent(path):
-            pass  # the parent stored these exact bits the same way: its chunks, no encoding
-        else:
+        # the parent stored these exact bits the same way: take its chunks, encode nothing
+        adopted = plan is None and _parent_content(store, path) == meta["content"] and store.adopt_from_parent(path)
+        if not adopted:
             create_array(store, path, data, codecs, chunking, {ATTR: meta})
         if progress:
             with done_lock:
                 done += 1
                 progress(path, done, len(order))
 
-    workers = min(threads or write_threads(), len(order))
-    if workers <= 1:
-        for path in order:
-            write_one(path)
-        return
     # Tensors are written side by side: most are one chunk, so one at a time would code on
     # one core. What is stored does not depend on the order (chunks are addressed by their
     # bytes, trees are sorted), so the snapshot is the same for any number of threads.
-    with ThreadPoolExecutor(workers, thread_name_prefix="inshrink-write") as pool:
-        futures = [pool.submit(write_one, path) for path in order]
-        for future in futures:  # the first failure in path order, after every write ended
-            future.exception()
-        for future in futures:
-            future.result()
+    map_in_order(write_one, order, threads or write_threads(), "inshrink-write")
 
 
 def lossless_digest(array: np.ndarray, dtype: str, codecs: Mapping[str, Any], chunks: tuple[int, ...]) -> str:
