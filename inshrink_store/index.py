@@ -344,8 +344,8 @@ class SnapshotIndex:
         return tree
 
     def seed(self, root: RootTree, trees: Mapping[str, NodeTree]) -> None:
-        """Take the root tree and node trees (by id) that a writer just stored, so this
-        process reads none of them back. Ids are checked against the content."""
+        """Take the root tree and node trees (keyed by the ids they were stored under) that a
+        writer just stored, so this process reads none of them back."""
         if root.id != self.root_id:
             raise IntegrityError(f"Expected root tree {self.root_id} to seed the index. Got {root.id} instead.")
         with self._lock:
@@ -353,7 +353,7 @@ class SnapshotIndex:
         with self._trees_lock:
             for tid in set(root.nodes.values()):
                 tree = trees.get(tid)
-                if tree is not None and tree.id == tid:
+                if tree is not None:
                     self._one_tree.setdefault(tid, tree)
 
     def adopt(self, trees: Mapping[str, NodeTree]) -> None:
@@ -393,8 +393,7 @@ class SnapshotIndex:
             if rel == METADATA_KEY:
                 return Entry(inline=tree.metadata.encode()) if tree.metadata is not None else None
             oid = tree.chunks.get(rel)
-            if oid is not None:
-                return Entry(oid=oid)
+            return Entry(oid=oid) if oid is not None else None  # a key belongs to its deepest node
         return None
 
     def array(self, path: str) -> ArrayInfo | None:
