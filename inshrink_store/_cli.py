@@ -39,6 +39,7 @@ from rich.text import Text
 
 import inshrink_store as ins
 from inshrink_store.errors import FormatError, InshrinkError
+from inshrink_store.policy.allocation import Allocation
 from inshrink_store.policy.config import MAX_LEVELS
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentRecord
 from inshrink_store.policy.record import QuantizationRecord
@@ -391,6 +392,40 @@ def _open_for_import(url: str, create: bool) -> ins.Repository:
     return repo
 
 
+def _check_allocation_options(target_ratio: float | None, max_error: float | None, bins: int | None,
+                              prune: float | None, protect: float | None, embedding_bins: int | None) -> Any:
+    """Usage errors (exit 2) for --target-ratio / --max-error; the Allocation to import with,
+    or None when neither was given."""
+    if target_ratio is None and max_error is None:
+        return None
+    if target_ratio is not None and max_error is not None:
+        raise typer.BadParameter(
+            "Expected one of --target-ratio and --max-error. Got both instead; keep the one you "
+            "care about (a size, or an error).", param_hint="'--max-error'")
+    given = "--target-ratio" if target_ratio is not None else "--max-error"
+    clash = [name for name, value in (("--bins", bins), ("--prune", prune),
+                                      ("--embedding-bins", embedding_bins)) if value is not None]
+    if clash:
+        raise typer.BadParameter(
+            f"Expected {given} without {', '.join(clash)}: it picks each tensor's levels itself "
+            f"(and never prunes). Got both instead; drop {', '.join(clash)}, or {given}.",
+            param_hint=f"'{clash[0]}'")
+    if target_ratio is not None and not (math.isfinite(target_ratio) and target_ratio >= 1):
+        raise typer.BadParameter(f"Expected a ratio of at least 1 (e.g. 12). Got {target_ratio} instead.",
+                                 param_hint="'--target-ratio'")
+    if max_error is not None and not (math.isfinite(max_error) and max_error > 0):
+        raise typer.BadParameter(
+            f"Expected a relative error above 0 (e.g. 0.05 for 5 %). Got {max_error} instead.",
+            param_hint="'--max-error'")
+    if protect is not None and not 0.0 <= protect <= 0.5:
+        raise typer.BadParameter(f"Expected a fraction from 0 to 0.5. Got {protect} instead; e.g. "
+                                 "--protect 0.005.", param_hint="'--protect'")
+    from inshrink_store.policy import Allocation
+
+    return Allocation(target_ratio=target_ratio, max_error=max_error,
+                      protect=0.005 if protect is None else protect)
+
+
 def _check_quantize_options(bins: int | None, prune: float | None, protect: float | None,
                             prune_metric: str | None, embedding_bins: int | None) -> Any:
     """Usage errors (exit 2) for out-of-range or orphaned quantization options; the
@@ -455,14 +490,24 @@ def import_(
         "always created (and said so on stderr); a folder of other files never is.")] = False,
     optimizer: Annotated[str | None, typer.Option(
         "--optimizer", help="The file's optimizer state: 'compressed' (Adam moments quantized, each "
-        "checked by the update it drives) or 'lossless'. [default: compressed with --bins, else lossless]")] = None,
+        "checked by the update it drives) or 'lossless'. [default: compressed with --bins, "
+        "--target-ratio or --max-error, else lossless]")] = None,
+    target_ratio: Annotated[float | None, typer.Option(
+        "--target-ratio", help="Instead of --bins: choose each tensor's levels so that the model's "
+        "tensors are stored this many times smaller (e.g. 12), with the least error for those bytes.")] = None,
+    max_error: Annotated[float | None, typer.Option(
+        "--max-error", help="Instead of --bins: the fewest bytes whose root-mean-square relative "
+        "weight error over the quantized tensors is at most this (e.g. 0.05).")] = None,
 ) -> None:
     """Import a checkpoint file as a new version; prints the snapshot id.
 
-    With --bins the version records its quantization settings (shown by `inshrink log`)."""
+    With --bins (or --target-ratio / --max-error) the version records its quantization
+    settings (shown by `inshrink log`)."""
     from inshrink_store.torch import import_file
 
-    quantize = _check_quantize_options(bins, prune, protect, prune_metric, embedding_bins)
+    quantize = _check_allocation_options(target_ratio, max_error, bins, prune, protect, embedding_bins)
+    if quantize is None:
+        quantize = _check_quantize_options(bins, prune, protect, prune_metric, embedding_bins)
     if optimizer is not None and optimizer not in ("compressed", "lossless"):
         raise typer.BadParameter(f"Expected compressed or lossless. Got {optimizer!r} instead.",
                                  param_hint="'--optimizer'")
@@ -480,7 +525,9 @@ def import_(
     commit: dict[str, Any] = {}
     if quantize is not None:
         # a fixed configuration, not a search: nothing was measured against a tolerance
-        record = QuantizationRecord(config=quantize, tolerance=0.0, higher_is_better=True)
+        record = (QuantizationRecord(config=None, allocation=quantize, tolerance=0.0, higher_is_better=True)
+                  if isinstance(quantize, Allocation) else
+                  QuantizationRecord(config=quantize, tolerance=0.0, higher_is_better=True))
         commit["metadata"] = {"quantization": record.to_dict()}
     with progress_bar("import") as update:
         info = import_file(repo, file, message=message or file.name, step=step, branch=branch,
@@ -517,7 +564,7 @@ def _exact_summary(repo: ins.Repository, info: Any) -> str:
     raw = info.metadata.get("residual")
     if raw is None:
         lossy = info.metadata.get("quantization", {}) or {}
-        return "-" if not lossy.get("config") else "no"
+        return "-" if not (lossy.get("config") or lossy.get("allocation")) else "no"
     try:
         kept = repo.residual(info.id)
     except InshrinkError:
@@ -552,8 +599,12 @@ def _quantization_summary(raw: Any) -> tuple[str, str]:
         record = QuantizationRecord.from_dict(raw)
     except FormatError:
         return "(unreadable quantization record)", "-"
-    config = record.config
-    if config is None:
+    config, allocation = record.config, record.allocation
+    if allocation is not None:
+        target = (f"target_ratio={allocation.target_ratio:g}" if allocation.target_ratio is not None
+                  else f"max_error={allocation.max_error:g}")
+        cfg = f"per-tensor levels, {target} protect={allocation.protect}"
+    elif config is None:
         cfg = "lossless (nothing within tolerance)" if record.search is not None else "lossless"
     else:
         cfg = f"bins={config.bins} prune={config.prune} prune_metric={config.prune_metric} protect={config.protect}"

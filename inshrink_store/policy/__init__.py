@@ -4,6 +4,7 @@ numpy only here (a CuPy path plugs in below the same functions through their ``x
 argument); this layer decides *what* to store, the repository below decides *how*.
 """
 
+from inshrink_store.policy.allocation import Allocation, AllocationDecision, AllocationPlanner
 from inshrink_store.policy.candidates import CandidatePlanner, Candidates
 from inshrink_store.policy.config import (
     BINS,
@@ -35,7 +36,7 @@ from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.sketch import LogSketch
 
 __all__ = [
-    "BINS", "DEFAULT_CONFIG", "EMBEDDING_BINS", "LAYER_TYPES", "METRICS", "PROTECT", "PRUNE", "CandidatePlanner",
+    "Allocation", "AllocationDecision", "AllocationPlanner", "BINS", "DEFAULT_CONFIG", "EMBEDDING_BINS", "LAYER_TYPES", "METRICS", "PROTECT", "PRUNE", "CandidatePlanner",
     "Candidates", "Decision", "LogSketch", "PlanSet", "QuantConfig", "QuantSettings", "QuantizationRecord",
     "QuantizedTensor", "RatioEstimator", "SearchPoint", "SearchPolicy", "SearchResult", "SearchSpace",
     "StatePlanner", "TensorInput", "fit_codebook", "is_quantizable", "layer_type", "prune_thresholds",

@@ -83,6 +83,10 @@ class RatioEstimator:
         """Logical / stored bytes (see :func:`ratio_of`)."""
         return ratio_of(self.logical_bytes, self.stored_bytes(plans))
 
+    def lossless_bytes_of(self, path: str) -> int:
+        """Bytes the writer's lossless chunks of one tensor take (measured once, then kept)."""
+        return self._lossless_bytes(path)
+
     def _lossless_bytes(self, path: str) -> int:
         if path not in self._lossless:
             self._lossless[path] = lossless_bytes(self.tensors[path], self.dtypes.get(path))

@@ -4,7 +4,8 @@ The Checkpointer writes one per version; ``restore`` continues the search from i
 configuration, and ``inshrink log`` and the demo report it. Reading goes through
 :meth:`QuantizationRecord.from_dict`, which checks every field (metadata is user-visible
 JSON that anything may have written) and names the field that is wrong. The layout is
-versioned: ``version`` 1 is the layout the Checkpointer has always written, so a record
+versioned: ``version`` 1 is the layout the Checkpointer has always written (2 adds
+``allocation``, and is written only by a version stored with one), so a record
 without the field (written before it existed) reads as version 1.
 """
 
@@ -16,12 +17,13 @@ from numbers import Real
 from typing import Any, TypeVar
 
 from inshrink_store.errors import FormatError
+from inshrink_store.policy.allocation import Allocation
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.search import SearchResult
 
-VERSION = 1
+VERSION = 2  # 2 added ``allocation``; a record without one is still written as version 1
 _FIELDS = ("version", "config", "baseline_quality", "tolerance", "higher_is_better", "search",
-           "model_ratio_estimate")
+           "model_ratio_estimate", "allocation")
 _REQUIRED = ("config", "tolerance", "higher_is_better")  # the rest were None when absent
 T = TypeVar("T")
 
@@ -35,6 +37,8 @@ class QuantizationRecord:
     (None without one). ``tolerance`` / ``higher_is_better``: the acceptance rule.
     ``search``: every trial and the mode (None when nothing was searched).
     ``model_ratio_estimate``: the chosen configuration's measured model ratio (None: lossless).
+    ``allocation``: the per-tensor allocation the model tensors were stored with (then
+    ``config`` is None; each tensor's levels are in its array's codec).
     """
 
     config: QuantConfig | None
@@ -43,11 +47,21 @@ class QuantizationRecord:
     baseline_quality: float | None = None
     search: SearchResult | None = None
     model_ratio_estimate: float | None = None
-    version: int = VERSION
+    allocation: Allocation | None = None
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.version is None:  # the oldest layout that holds every field set
+            object.__setattr__(self, "version", 1 if self.allocation is None else 2)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the model tensors were stored quantized (a configuration or an allocation)."""
+        return self.config is not None or self.allocation is not None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-native; the version 1 layout (plus its ``version``)."""
-        return {
+        """JSON-native; version 1's layout, plus ``allocation`` when there is one (version 2)."""
+        data = {
             "version": self.version,
             "config": None if self.config is None else self.config.to_dict(),
             "baseline_quality": self.baseline_quality, "tolerance": self.tolerance,
@@ -55,6 +69,9 @@ class QuantizationRecord:
             "search": None if self.search is None else self.search.to_dict(),
             "model_ratio_estimate": self.model_ratio_estimate,
         }
+        if self.allocation is not None:
+            data["allocation"] = self.allocation.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> QuantizationRecord:
@@ -75,7 +92,7 @@ class QuantizationRecord:
         missing = [k for k in _REQUIRED if k not in data]
         if missing:
             raise FormatError(f"Expected the quantization record field {missing[0]!r}. Got none instead.")
-        version = data.get("version", VERSION)
+        version = data.get("version", 1)
         if not _is_int(version) or not 1 <= version <= VERSION:
             raise FormatError(
                 f"Expected quantization record field 'version' to be an int in 1..{VERSION}. Got "
@@ -88,6 +105,7 @@ class QuantizationRecord:
             baseline_quality=_optional_number("baseline_quality", data.get("baseline_quality")),
             search=_read("search", data.get("search"), SearchResult.from_dict),
             model_ratio_estimate=_optional_number("model_ratio_estimate", data.get("model_ratio_estimate")),
+            allocation=_read("allocation", data.get("allocation"), Allocation.from_dict),
             version=int(version),
         )
 

@@ -145,12 +145,12 @@ def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, mom
                **commit: Any) -> Any:
     """Commit a nested training state (e.g. ``{"model": sd, "optimizer": osd}``) as one version.
 
-    A ``QuantConfig`` applies ``embedding_bins`` to the tensors :func:`infer_module_kinds`
+    An ``Allocation`` picks each model tensor's levels for its target. A ``QuantConfig`` applies ``embedding_bins`` to the tensors :func:`infer_module_kinds`
     names embedding tables (there are no module objects to ask). ``moments`` (a
     :class:`~inshrink_store.policy.moments.MomentPolicy`) compresses the optimizer's Adam
     moments, betas and eps read from its ``param_groups``; the outcome goes into the
     version's ``metadata["moments"]`` (without a model to ask, no joint pruning)."""
-    from inshrink_store.policy import QuantConfig, StatePlanner
+    from inshrink_store.policy import Allocation, AllocationPlanner, QuantConfig, StatePlanner
     from inshrink_store.torch.optim import adam_hyper
 
     if not isinstance(state, Mapping):
@@ -159,6 +159,8 @@ def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, mom
     arrays, dtypes, skeleton = state_to_arrays(dict(state), copy=False)
     if isinstance(quantize, QuantConfig):
         quantize = StatePlanner(quantize, module_kinds=infer_module_kinds(arrays))
+    elif isinstance(quantize, Allocation):
+        quantize = AllocationPlanner(quantize, module_kinds=infer_module_kinds(arrays))
     if moments is not None:
         made = moments.plan(arrays, dtypes, {}, hyper=adam_hyper(state.get("optimizer")))
         metadata = dict(commit.pop("metadata", None) or {})

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from inshrink_store.errors import FormatError
 from inshrink_store.policy import (
+    Allocation,
     QuantConfig,
     QuantizationRecord,
     SearchPoint,
@@ -29,16 +30,22 @@ trials = st.builds(Trial, st.sampled_from(POINTS), st.floats(0.1, 100),
                    st.one_of(st.none(), finite), st.one_of(st.none(), st.booleans()))
 results = st.builds(SearchResult, st.one_of(st.none(), st.sampled_from(POINTS)), st.lists(trials, max_size=5),
                     st.sampled_from(["full", "neighbourhood", "fallback"]))
+allocations = st.one_of(
+    st.builds(Allocation, target_ratio=st.floats(1, 100), protect=st.sampled_from([0.0, 0.005])),
+    st.builds(Allocation, max_error=st.floats(1e-4, 1), levels=st.lists(st.integers(2, 254), min_size=1, max_size=5)))
 records = st.builds(QuantizationRecord, config=st.one_of(st.none(), configs), tolerance=st.floats(0, 1),
                     higher_is_better=st.booleans(), baseline_quality=st.one_of(st.none(), finite),
-                    search=st.one_of(st.none(), results), model_ratio_estimate=st.one_of(st.none(), st.floats(0.1, 1e3)))
+                    search=st.one_of(st.none(), results), model_ratio_estimate=st.one_of(st.none(), st.floats(0.1, 1e3)),
+                    allocation=st.one_of(st.none(), allocations))
 
 
 @settings(max_examples=200, deadline=None)
 @given(record=records)
 def test_to_dict_from_dict_is_the_identity_through_json(record: QuantizationRecord) -> None:
     data = json.loads(json.dumps(record.to_dict()))
-    assert data["version"] == VERSION
+    # the oldest layout that holds the record: readers from before allocations still read the rest
+    assert data["version"] == (1 if record.allocation is None else VERSION)
+    assert ("allocation" in data) == (record.allocation is not None)
     assert QuantizationRecord.from_dict(data) == record
 
 
@@ -73,7 +80,11 @@ def test_old_format_dicts_read_as_version_1() -> None:
     (_old(search={"best": None}), "search"),
     (_old(search={"best": None, "mode": "full", "trials": [1]}), "search"),
     (_old(model_ratio_estimate="7x"), "model_ratio_estimate"),
-    (_old(version=2), "version"),
+    (_old(version=VERSION + 1), "version"),
+    (_old(version=0), "version"),
+    (_old(allocation={"target_ratio": 0.5}), "target_ratio"),
+    (_old(allocation={"target_ratio": 8, "max_error": 0.1}), "exactly one"),
+    (_old(allocation=[8]), "allocation"),
     (_old(version="1"), "version"),
     (_old(extra=1), "extra"),
     ({k: v for k, v in _old().items() if k != "tolerance"}, "tolerance"),

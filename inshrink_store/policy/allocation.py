@@ -1,0 +1,226 @@
+"""Allocation: per-tensor codebook sizes chosen for a size target or an error target.
+
+``repo.save(state, quantize=Allocation(target_ratio=12))`` stores the tensors a
+:class:`~inshrink_store.policy.config.QuantConfig` would quantize, each with the number of
+levels that makes the whole model's error smallest for the bytes of ratio 12 (or, with
+``max_error=E``, the fewest bytes whose root-mean-square relative error over the tensors is at
+most ``E``). A tensor may also stay lossless when that is where its bytes do the most good.
+How the choice is made: :mod:`inshrink_store.policy.rate_distortion`.
+
+Like ``QuantConfig`` it is a frozen, JSON-native value (a version records it) and a
+repository planner; :class:`AllocationPlanner` does the work and keeps what it decided
+(``decision``) for reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from inshrink_store.errors import FormatError
+from inshrink_store.parallel import map_in_order
+from inshrink_store.policy.config import PROTECTED_DTYPES, QuantConfig
+from inshrink_store.policy.partition import (
+    PartitionCache,
+    TensorInput,
+    protected_mask,
+    quantize_tensor,
+)
+from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
+from inshrink_store.policy.rate_distortion import LADDER, Option, allocate, tensor_options
+from inshrink_store.policy.ratio import RatioEstimator, ratio_of
+from inshrink_store.policy.sketch import LogSketch
+from inshrink_store.writer import ArrayPlan, write_threads
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Per-tensor levels for one target: ``target_ratio`` (logical / stored bytes of the
+    planned tensors, e.g. 12.0) or ``max_error`` (root-mean-square over the quantized tensors
+    of ``||w - q|| / ||w||``, e.g. 0.05). ``protect`` of each tensor's values by magnitude (and
+    sensitivity, when known) are kept in ``protected_dtype``; ``levels`` is the ladder of
+    codebook sizes priced per tensor; tensors that are 1-D or smaller than ``min_numel`` stay
+    lossless. No pruning: levels alone carry the trade-off."""
+
+    target_ratio: float | None = None
+    max_error: float | None = None
+    protect: float = 0.005
+    protected_dtype: str = "bfloat16"
+    levels: tuple[int, ...] = LADDER
+    min_numel: int = 4096
+    codebook_reuse_tolerance: float = 1.10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if (self.target_ratio is None) == (self.max_error is None):
+            raise FormatError(
+                "Expected exactly one of target_ratio and max_error in Allocation. Got "
+                f"target_ratio={self.target_ratio!r}, max_error={self.max_error!r} instead; e.g. "
+                "Allocation(target_ratio=12) or Allocation(max_error=0.05)."
+            )
+        checks = [
+            (self.target_ratio is None or (_positive(self.target_ratio) and self.target_ratio >= 1),
+             "target_ratio a number >= 1", self.target_ratio),
+            (self.max_error is None or _positive(self.max_error), "max_error a number > 0", self.max_error),
+            (isinstance(self.protect, (int, float)) and not isinstance(self.protect, bool)
+             and 0.0 <= self.protect <= 0.5, "protect a fraction in [0, 0.5]", self.protect),
+            (self.protected_dtype in PROTECTED_DTYPES, f"protected_dtype one of {PROTECTED_DTYPES}",
+             self.protected_dtype),
+            (len(self.levels) > 0 and all(isinstance(n, int) and not isinstance(n, bool) and 2 <= n <= 254
+                                          for n in self.levels), "levels a non-empty tuple of ints in 2..254",
+             self.levels),
+            (isinstance(self.min_numel, int) and not isinstance(self.min_numel, bool) and self.min_numel >= 1,
+             "min_numel an int >= 1", self.min_numel),
+            (_positive(self.codebook_reuse_tolerance) and self.codebook_reuse_tolerance >= 1,
+             "codebook_reuse_tolerance a number >= 1", self.codebook_reuse_tolerance),
+        ]
+        for ok, what, got in checks:
+            if not ok:
+                raise FormatError(f"Expected {what} in Allocation. Got {got!r} instead.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-native; ``from_dict(json.loads(json.dumps(d)))`` gives an equal value."""
+        data = asdict(self)
+        data["levels"] = list(self.levels)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Allocation:
+        if not isinstance(data, Mapping):
+            raise FormatError(f"Expected an Allocation dict. Got {type(data).__name__} instead.")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise FormatError(
+                f"Expected only Allocation fields {sorted(cls.__dataclass_fields__)}. Got unknown "
+                f"{sorted(unknown)} instead; remove them."
+            )
+        values = dict(data)
+        if "levels" in values:
+            if not isinstance(values["levels"], (list, tuple)):
+                raise FormatError(f"Expected Allocation levels as a list. Got {values['levels']!r} instead.")
+            values["levels"] = tuple(values["levels"])
+        return cls(**values)
+
+    def config_for(self, levels: int) -> QuantConfig:
+        """The one-tensor configuration of a tensor given ``levels`` centres."""
+        return QuantConfig(bins=levels, embedding_bins=levels, prune=0.0, protect=self.protect,
+                           protected_dtype=self.protected_dtype, min_numel=self.min_numel,
+                           codebook_reuse_tolerance=self.codebook_reuse_tolerance)
+
+    def plan(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str],
+             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
+        """Repository hook: ``repo.save(..., quantize=Allocation(target_ratio=12))``."""
+        return AllocationPlanner(self).plan(tensors, dtypes, previous)
+
+
+@dataclass(frozen=True)
+class AllocationDecision:
+    """What an allocation chose: levels per tensor (None: lossless), and the estimates it made
+    them from: the ratio of the planned scope and the RMS relative error of the quantized ones."""
+
+    levels: Mapping[str, int | None] = field(default_factory=dict)
+    estimated_ratio: float = 0.0
+    estimated_rms_error: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"levels": dict(self.levels), "estimated_ratio": self.estimated_ratio,
+                "estimated_rms_error": self.estimated_rms_error}
+
+
+class _LazyPlans(Mapping[str, ArrayPlan]):
+    """Each chosen tensor quantized when the writer asks for it (one in memory at a time)."""
+
+    def __init__(self, planner: AllocationPlanner, inputs: Mapping[str, TensorInput],
+                 levels: Mapping[str, int], dtypes: Mapping[str, str]) -> None:
+        self._planner, self._inputs, self._levels, self._dtypes = planner, inputs, levels, dtypes
+
+    def __getitem__(self, path: str) -> ArrayPlan:
+        if path not in self._levels:
+            raise KeyError(path)
+        spec = self._planner.allocation
+        q = quantize_tensor(self._inputs[path], spec.config_for(self._levels[path]),
+                            cache=self._planner.cache, name=path)
+        self._planner.results[path] = q.stats
+        return array_plan(q, self._dtypes[path], spec.protected_dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._levels)
+
+    def __len__(self) -> int:
+        return len(self._levels)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._levels
+
+
+class AllocationPlanner:
+    """Implements the repository's ``Planner`` protocol for an :class:`Allocation`.
+
+    ``sensitivity`` (``|g*w|`` per element) joins magnitude in choosing protected values, as
+    in a configuration's save; ``scope`` is the planned prefix (None: ``model/`` when the state
+    has one). After :meth:`plan`, ``decision`` says what was chosen and ``results`` holds each
+    written tensor's quantization statistics."""
+
+    def __init__(self, allocation: Allocation, sensitivity: Mapping[str, np.ndarray] | None = None,
+                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None) -> None:
+        self.allocation = allocation
+        self.sensitivity = dict(sensitivity or {})
+        self.module_kinds = dict(module_kinds or {})
+        self.scope = scope
+        self.cache = PartitionCache()
+        self.decision: AllocationDecision | None = None
+        self.results: dict[str, Any] = {}
+
+    def options(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+                previous: Mapping[str, dict[str, Any]]) -> tuple[dict[str, TensorInput], dict[str, list[Option]],
+                                                                 RatioEstimator, str]:
+        """(inputs, options per tensor, the estimator of the scope, the scope) for a state."""
+        spec = self.allocation
+        scope = self.scope
+        if scope is None:
+            scope = "model/" if any(p.startswith("model/") for p in tensors) else ""
+        paths = eligible(tensors, dtypes, spec.min_numel, scope)
+        inputs = tensor_inputs(paths, tensors, dtypes, previous, self.sensitivity, self.module_kinds)
+        estimator = RatioEstimator(tensors, scope, dtypes)
+
+        def price(path: str) -> list[Option]:
+            t = inputs[path]
+            w = np.ascontiguousarray(t.values, np.float32)
+            rest = ~protected_mask(w, t.sensitivity, spec.protect)
+            # the same key quantize_tensor uses for the rest of an unpruned tensor: fitted once
+            sketch = self.cache.sketch((path, spec.protect, None, None),
+                                       lambda: LogSketch.from_values(w, mask=rest))
+            return tensor_options(w, dtype=str(t.dtype), protect=spec.protect,
+                                  protected_dtype=spec.protected_dtype, sensitivity=t.sensitivity,
+                                  ladder=spec.levels, lossless_bytes=estimator.lossless_bytes_of(path),
+                                  sketch=sketch)
+
+        priced = map_in_order(price, paths, write_threads(), "inshrink-allocate")
+        return inputs, dict(zip(paths, priced, strict=True)), estimator, scope
+
+    def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
+        spec = self.allocation
+        inputs, options, estimator, _ = self.options(tensors, dtypes, previous)
+        fixed = sum(estimator.lossless_bytes_of(p) for p in estimator.paths if p not in options)
+        if spec.max_error is not None:
+            chosen = allocate(options, max_mean_sq_error=spec.max_error ** 2)
+        else:
+            target = float(spec.target_ratio or 1.0)  # one of the two is set (checked at construction)
+            chosen = allocate(options, budget_bytes=estimator.logical_bytes / target - fixed)
+        quantized = {p: o for p, o in chosen.items() if o.levels is not None}
+        stored = fixed + sum(o.stored_bytes for o in chosen.values())
+        rms = math.sqrt(sum(o.sq_error for o in quantized.values()) / len(quantized)) if quantized else 0.0
+        self.decision = AllocationDecision({p: o.levels for p, o in chosen.items()},
+                                           ratio_of(estimator.logical_bytes, int(stored)), rms)
+        self.results = {}
+        levels = {p: int(o.levels) for p, o in quantized.items() if o.levels is not None}
+        return _LazyPlans(self, inputs, levels, dtypes)
