@@ -14,6 +14,7 @@ repository planner; :class:`AllocationPlanner` does the work and keeps what it d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from inshrink_store.policy.partition import (
     quantize_tensor,
 )
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
+from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.rate_distortion import LADDER, Option, allocate, tensor_options
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
 from inshrink_store.policy.sketch import LogSketch
@@ -208,19 +210,89 @@ class AllocationPlanner:
 
     def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
              previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
-        spec = self.allocation
         inputs, options, estimator, _ = self.options(tensors, dtypes, previous)
-        fixed = sum(estimator.lossless_bytes_of(p) for p in estimator.paths if p not in options)
-        if spec.max_error is not None:
-            chosen = allocate(options, max_mean_sq_error=spec.max_error ** 2)
-        else:
-            target = float(spec.target_ratio or 1.0)  # one of the two is set (checked at construction)
-            chosen = allocate(options, budget_bytes=estimator.logical_bytes / target - fixed)
-        quantized = {p: o for p, o in chosen.items() if o.levels is not None}
-        stored = fixed + sum(o.stored_bytes for o in chosen.values())
-        rms = math.sqrt(sum(o.sq_error for o in quantized.values()) / len(quantized)) if quantized else 0.0
-        self.decision = AllocationDecision({p: o.levels for p, o in chosen.items()},
-                                           ratio_of(estimator.logical_bytes, int(stored)), rms)
+        self.decision = decide(self.allocation, options, estimator)
         self.results = {}
-        levels = {p: int(o.levels) for p, o in quantized.items() if o.levels is not None}
+        levels = {p: lv for p, lv in self.decision.levels.items() if lv is not None}
         return _LazyPlans(self, inputs, levels, dtypes)
+
+    def quantize(self, inputs: Mapping[str, TensorInput], levels: Mapping[str, int],
+                 dtypes: Mapping[str, str]) -> dict[str, ArrayPlan]:
+        """Every chosen tensor quantized now (a search evaluates them all at once)."""
+        plans = _LazyPlans(self, inputs, levels, dtypes)
+        return {p: plans[p] for p in plans}
+
+
+def decide(spec: Allocation, options: Mapping[str, list[Option]], estimator: RatioEstimator) -> AllocationDecision:
+    """The levels ``spec`` gets from priced ``options`` (tensors the estimator's scope holds
+    but ``options`` does not stay lossless and count as fixed bytes)."""
+    fixed = sum(estimator.lossless_bytes_of(p) for p in estimator.paths if p not in options)
+    if spec.max_error is not None:
+        chosen = allocate(options, max_mean_sq_error=spec.max_error ** 2)
+    else:
+        target = float(spec.target_ratio or 1.0)  # one of the two is set (checked at construction)
+        chosen = allocate(options, budget_bytes=estimator.logical_bytes / target - fixed)
+    quantized = [o for o in chosen.values() if o.levels is not None]
+    stored = fixed + sum(o.stored_bytes for o in chosen.values())
+    rms = math.sqrt(sum(o.sq_error for o in quantized) / len(quantized)) if quantized else 0.0
+    return AllocationDecision({p: o.levels for p, o in chosen.items()},
+                              ratio_of(estimator.logical_bytes, int(stored)), rms)
+
+
+#: the target ratios a search over allocations tries (SearchPolicy(allocation_ratios=...))
+RATIOS = (4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0, 20.0)
+
+
+@dataclass(frozen=True)
+class AllocationTrial:
+    """One target a search tried: the ratio its allocation was estimated at and, when it was
+    evaluated, the quality and whether it was within tolerance."""
+
+    target_ratio: float
+    ratio: float
+    quality: float | None = None
+    feasible: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_ratio": self.target_ratio, "ratio": self.ratio, "quality": self.quality,
+                "feasible": self.feasible}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AllocationTrial:
+        if not isinstance(data, Mapping) or set(data) != {"target_ratio", "ratio", "quality", "feasible"}:
+            raise FormatError(
+                "Expected an allocation trial {target_ratio, ratio, quality, feasible}. Got "
+                f"{data!r} instead."
+            )
+        numbers = [data["target_ratio"], data["ratio"]] + ([] if data["quality"] is None else [data["quality"]])
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) or \
+                not (data["feasible"] is None or isinstance(data["feasible"], bool)):
+            raise FormatError(f"Expected numbers and a flag in an allocation trial. Got {dict(data)!r} instead.")
+        return cls(float(data["target_ratio"]), float(data["ratio"]),
+                   None if data["quality"] is None else float(data["quality"]), data["feasible"])
+
+
+class AllocationCandidates:
+    """One state's allocations by target ratio, for a search that moves that one knob: every
+    tensor is priced once, then each target is an allocation (cheap) and its plans."""
+
+    def __init__(self, base: Allocation, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+                 previous: Mapping[str, dict[str, Any]], *, sensitivity: Mapping[str, np.ndarray] | None = None,
+                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None) -> None:
+        self.base, self.dtypes = base, dtypes
+        self.planner = AllocationPlanner(base, sensitivity, module_kinds, scope)
+        self.inputs, self.options, self.estimator, _ = self.planner.options(tensors, dtypes, previous)
+
+    def spec(self, target_ratio: float) -> Allocation:
+        return dataclasses.replace(self.base, target_ratio=float(target_ratio), max_error=None)
+
+    def decision(self, target_ratio: float) -> AllocationDecision:
+        return decide(self.spec(target_ratio), self.options, self.estimator)
+
+    def plans(self, target_ratio: float) -> PlanSet:
+        """The quantized plans of one target (values made now), measured by the estimate."""
+        made = self.decision(target_ratio)
+        levels = {p: lv for p, lv in made.levels.items() if lv is not None}
+        plans = self.planner.quantize(self.inputs, levels, self.dtypes)
+        stored = self.estimator.logical_bytes / made.estimated_ratio if made.estimated_ratio else 0
+        return PlanSet(None, plans, self.estimator.logical_bytes, int(stored))

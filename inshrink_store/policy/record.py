@@ -17,13 +17,13 @@ from numbers import Real
 from typing import Any, TypeVar
 
 from inshrink_store.errors import FormatError
-from inshrink_store.policy.allocation import Allocation
+from inshrink_store.policy.allocation import Allocation, AllocationTrial
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.search import SearchResult
 
 VERSION = 2  # 2 added ``allocation``; a record without one is still written as version 1
 _FIELDS = ("version", "config", "baseline_quality", "tolerance", "higher_is_better", "search",
-           "model_ratio_estimate", "allocation")
+           "model_ratio_estimate", "allocation", "allocation_search")
 _REQUIRED = ("config", "tolerance", "higher_is_better")  # the rest were None when absent
 T = TypeVar("T")
 
@@ -39,6 +39,8 @@ class QuantizationRecord:
     ``model_ratio_estimate``: the chosen configuration's measured model ratio (None: lossless).
     ``allocation``: the per-tensor allocation the model tensors were stored with (then
     ``config`` is None; each tensor's levels are in its array's codec).
+    ``allocation_search``: the target ratios a search over allocations tried, in order
+    (None when no such search ran).
     """
 
     config: QuantConfig | None
@@ -48,11 +50,15 @@ class QuantizationRecord:
     search: SearchResult | None = None
     model_ratio_estimate: float | None = None
     allocation: Allocation | None = None
+    allocation_search: tuple[AllocationTrial, ...] | None = None
     version: int | None = None
 
     def __post_init__(self) -> None:
+        if self.allocation_search is not None:
+            object.__setattr__(self, "allocation_search", tuple(self.allocation_search))
         if self.version is None:  # the oldest layout that holds every field set
-            object.__setattr__(self, "version", 1 if self.allocation is None else 2)
+            newer = self.allocation is not None or self.allocation_search is not None
+            object.__setattr__(self, "version", 2 if newer else 1)
 
     @property
     def lossy(self) -> bool:
@@ -60,8 +66,9 @@ class QuantizationRecord:
         return self.config is not None or self.allocation is not None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-native; version 1's layout, plus ``allocation`` when there is one (version 2)."""
-        data = {
+        """JSON-native; version 1's layout, plus ``allocation`` / ``allocation_search`` when
+        there are (version 2)."""
+        data: dict[str, Any] = {
             "version": self.version,
             "config": None if self.config is None else self.config.to_dict(),
             "baseline_quality": self.baseline_quality, "tolerance": self.tolerance,
@@ -71,6 +78,8 @@ class QuantizationRecord:
         }
         if self.allocation is not None:
             data["allocation"] = self.allocation.to_dict()
+        if self.allocation_search is not None:
+            data["allocation_search"] = [t.to_dict() for t in self.allocation_search]
         return data
 
     @classmethod
@@ -106,8 +115,21 @@ class QuantizationRecord:
             search=_read("search", data.get("search"), SearchResult.from_dict),
             model_ratio_estimate=_optional_number("model_ratio_estimate", data.get("model_ratio_estimate")),
             allocation=_read("allocation", data.get("allocation"), Allocation.from_dict),
+            allocation_search=_trials(data.get("allocation_search")),
             version=int(version),
         )
+
+
+def _trials(data: Any) -> tuple[AllocationTrial, ...] | None:
+    """The ``allocation_search`` field: None, or a list of trials (errors name the field)."""
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise _bad("allocation_search", "a list of trials or null", data)
+    try:
+        return tuple(AllocationTrial.from_dict(t) for t in data)
+    except FormatError as exc:
+        raise FormatError(f"Expected quantization record field 'allocation_search' to hold trials. {exc}") from None
 
 
 def _is_int(v: Any) -> bool:

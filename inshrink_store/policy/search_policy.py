@@ -22,6 +22,7 @@ from numbers import Real
 from typing import Any, TypedDict
 
 from inshrink_store.errors import FormatError
+from inshrink_store.policy.allocation import Allocation, AllocationCandidates, AllocationTrial
 from inshrink_store.policy.candidates import KEEP, Candidates
 from inshrink_store.policy.config import DEFAULT_CONFIG, QuantConfig
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPolicy, MomentRecord
@@ -83,6 +84,12 @@ class SearchPolicy:
     feasible configuration evaluated by then is stored (lossless if none was). ``resume_space`` replaces ``space`` for
     versions a restart loads as stored (:meth:`resuming`; the Checkpointer with
     ``exact_resume=0``): see :data:`RESUME_SPACE`.
+
+    ``allocation_ratios`` (e.g. :data:`~inshrink_store.policy.allocation.RATIOS`) searches
+    per-tensor allocations instead of the configuration cube: the one knob is the target
+    ratio, each tensor's levels follow from it (:class:`~inshrink_store.policy.Allocation`,
+    protecting ``base.protect``), and a bisection over the ratios finds the largest one whose
+    quality is within tolerance (about log2(len) evaluations).
     """
 
     tolerance: float = 0.05
@@ -93,8 +100,18 @@ class SearchPolicy:
     keep: int = KEEP
     resume_space: SearchSpace = field(default_factory=lambda: RESUME_SPACE)
     max_evaluations: int | None = None
+    allocation_ratios: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.allocation_ratios is not None:
+            ratios = self.allocation_ratios
+            if not isinstance(ratios, (tuple, list)) or not ratios or not all(
+                    isinstance(r, Real) and not isinstance(r, bool) and math.isfinite(r) and r >= 1 for r in ratios):
+                raise FormatError(
+                    "Expected allocation_ratios a non-empty tuple of ratios >= 1 (e.g. (4, 8, 12, 16)) or "
+                    f"None in SearchPolicy. Got {ratios!r} instead."
+                )
+            object.__setattr__(self, "allocation_ratios", tuple(sorted({float(r) for r in ratios})))
         if isinstance(self.optimizer, str) and self.optimizer in OPTIMIZER_POLICIES:
             object.__setattr__(self, "optimizer", DEFAULT_MOMENTS if self.optimizer == "compressed" else None)
         tol = self.tolerance
@@ -144,7 +161,7 @@ class SearchPolicy:
     def resuming(self) -> SearchPolicy:
         """This policy searching ``resume_space``: for versions that a restart loads as
         stored (no restore residual), which must survive being resumed many times."""
-        return dataclasses.replace(self, space=self.resume_space)
+        return dataclasses.replace(self, space=self.resume_space, allocation_ratios=None)
 
     def within(self, quality: float, baseline: float) -> bool:
         """Quality within ``tolerance`` (relative) of the baseline, in the better direction."""
@@ -162,6 +179,8 @@ class SearchPolicy:
         Without ``evaluate`` the base configuration is stored. With it, nothing within
         tolerance stores the model lossless (the record's config is None). ``previous``
         (the parent version's configuration) starts the neighbourhood search."""
+        if self.allocation_ratios is not None and evaluate is not None:
+            return self._decide_allocation(candidates, evaluate)
         baseline: float | None = None
         result: SearchResult | None = None
         if evaluate is None:
@@ -178,6 +197,40 @@ class SearchPolicy:
             model_ratio_estimate=None if chosen is None else candidates.ratio(chosen),
         )
         return Decision(plans, record, moments)
+
+    def allocation_base(self) -> Allocation:
+        """The allocation every target of an allocation search shares (``base``'s protection)."""
+        base = self.base
+        return Allocation(target_ratio=1.0, protect=base.protect, protected_dtype=base.protected_dtype,
+                          min_numel=base.min_numel, codebook_reuse_tolerance=base.codebook_reuse_tolerance)
+
+    def _decide_allocation(self, candidates: Candidates, evaluate: Evaluate) -> Decision:
+        """Bisection over ``allocation_ratios`` for the largest feasible target (quality falls
+        as the ratio grows); nothing feasible stores the model lossless."""
+        ratios = self.allocation_ratios or ()
+        baseline = float(evaluate(None))
+        pool = AllocationCandidates(self.allocation_base(), candidates.tensors, candidates.dtypes,
+                                    candidates.previous, sensitivity=candidates.sensitivity,
+                                    module_kinds=candidates.module_kinds, scope=candidates.scope)
+        trials: list[AllocationTrial] = []
+        held: dict[float, PlanSet] = {}
+        lo, hi = -1, len(ratios)  # ratios[lo] feasible (-1: lossless), ratios[hi] not
+        while hi - lo > 1 and (self.max_evaluations is None or len(trials) < self.max_evaluations):
+            mid = (lo + hi) // 2
+            plans = pool.plans(ratios[mid])
+            quality = float(evaluate(plans))
+            ok = self.within(quality, baseline)
+            trials.append(AllocationTrial(ratios[mid], plans.ratio, quality, ok))
+            held = {ratios[mid]: plans} if ok else held  # only the best feasible one is kept
+            lo, hi = (mid, hi) if ok else (lo, mid)
+        chosen = ratios[lo] if lo >= 0 else None
+        model = held.get(chosen) if chosen is not None else None
+        plans_out, moments = self._with_optimizer(model, candidates)
+        record = QuantizationRecord(
+            config=None, tolerance=self.tolerance, higher_is_better=self.higher_is_better,
+            baseline_quality=baseline, model_ratio_estimate=None if model is None else model.ratio,
+            allocation=None if chosen is None else pool.spec(chosen), allocation_search=tuple(trials))
+        return Decision(plans_out, record, moments)
 
     def _search(self, candidates: Candidates, evaluate: Evaluate, baseline: float,
                 previous: QuantConfig | None) -> SearchResult:

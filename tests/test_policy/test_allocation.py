@@ -221,3 +221,31 @@ def test_the_callers_arrays_are_never_modified(memory_url: str) -> None:
     ins.init(memory_url).save(state, quantize=Allocation(target_ratio=10))
     for k, v in state.items():
         np.testing.assert_array_equal(v, before[k])
+
+
+def test_an_allocation_search_bisects_to_the_largest_target_within_tolerance() -> None:
+    """Quality = 1 - RMS relative error: the search must stop at the last target whose plans
+    keep the error within the tolerance, evaluating about log2(targets) of them."""
+    from inshrink_store.policy import Candidates, SearchPolicy
+
+    state = _state(4)
+    dtypes = {p: "F32" for p in state}
+    ratios = (2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0)
+
+    def quality(plans: object) -> float:
+        if plans is None:
+            return 1.0
+        errs = [np.linalg.norm(plans[p].values - state[p]) / np.linalg.norm(state[p]) for p in plans]  # type: ignore[index, attr-defined]
+        return 1.0 - float(np.sqrt(np.mean(np.square(errs))))
+
+    policy = SearchPolicy(tolerance=0.1, allocation_ratios=ratios, optimizer=None)
+    decision = policy.decide(Candidates(state, dtypes, {}), quality)
+    trials = decision.record.allocation_search
+    assert trials is not None and len(trials) <= math.ceil(math.log2(len(ratios) + 1))
+    # brute force: every target's own error
+    from inshrink_store.policy.allocation import AllocationCandidates
+    pool = AllocationCandidates(policy.allocation_base(), state, dtypes, {})
+    ok = [r for r in ratios if quality(pool.plans(r)) >= 0.9]
+    assert ok == list(ratios[:len(ok)])  # error grows with the target: feasibility is a prefix
+    assert decision.record.allocation is not None and decision.record.allocation.target_ratio == max(ok)
+    assert decision.plans is not None and quality(decision.plans) >= 0.9

@@ -497,3 +497,42 @@ def test_an_evaluation_budget_bounds_eval_fn_calls_per_checkpoint(url: str) -> N
     assert search["evaluations"] <= 2 and len(calls) <= 3  # plus the unquantized baseline
     with pytest.raises(ins.FormatError, match="max_evaluations"):
         ins.policy.SearchPolicy(max_evaluations=0)
+
+
+def test_an_allocation_search_stores_the_largest_tolerated_target_with_few_evaluations(url: str) -> None:
+    """One knob: the target ratio. A bisection over it evaluates about log2(len) targets, the
+    stored model is within tolerance, and the record says which target and what was tried."""
+    x, y, model, opt = _problem(3)
+    repo = ins.init(url)
+    calls: list[float] = []
+
+    def eval_fn(m: Any) -> float:
+        calls.append(_accuracy(m, x, y))
+        return calls[-1]
+
+    ratios = (2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0)
+    policy = ins.policy.SearchPolicy(tolerance=0.02, allocation_ratios=ratios)
+    with Checkpointer(repo, model, opt, eval_fn=eval_fn, policy=policy) as ck:
+        _train(model, opt, x, y, 40, ck)
+        ck.save(40)
+        info = ck.wait()
+    record = ins.QuantizationRecord.from_dict(info.metadata["quantization"])
+    trials = record.allocation_search
+    assert trials is not None and 1 <= len(trials) <= 3 and len(calls) == len(trials) + 1
+    baseline = calls[0]
+    for trial in trials:  # each verdict is the tolerance rule applied to what was measured
+        assert trial.quality is not None and trial.feasible == (trial.quality >= baseline - 0.02 * baseline)
+    feasible = [t.target_ratio for t in trials if t.feasible]
+    infeasible = [t.target_ratio for t in trials if not t.feasible]
+    if feasible:
+        assert record.allocation is not None and record.allocation.target_ratio == max(feasible)
+        assert not infeasible or min(infeasible) > max(feasible)  # bisection: monotone verdicts
+        restored = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 2))
+        restored.load_state_dict(load_state(repo, info.id, exact=False)["model"])
+        assert _accuracy(restored, x, y) >= baseline * (1 - 0.02)
+    else:
+        assert record.allocation is None
+    assert record.config is None
+    with pytest.raises(ins.FormatError, match="allocation_ratios"):
+        ins.policy.SearchPolicy(allocation_ratios=(0.5,))
+    assert policy.resuming().allocation_ratios is None  # resumed-as-stored versions use the resume space
