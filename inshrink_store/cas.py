@@ -6,7 +6,9 @@ whole or as a delta. The stored form starts with a fixed header::
 
     0   4  magic        b"ISO\\x02" (format 2; b"ISO\\x01", format 1, is still read)
     4   1  kind         0 = whole (keyframe), 1 = delta against ``base``
-    5   1  coder        0 = none, 1 = zstd
+    5   1  coder        0 = none, 1 = zstd, 2 = zstd of the payload with its level ids
+                        packed two per byte (keyframes of <= 16 levels, see
+                        ``codecs/_nibbles``; written when smaller than 1)
     6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
     8   8  logical length
     16 16  base id      raw 16 bytes of the base's id, zeros when whole
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from inshrink_store.codecs import _payload, _zstd
+from inshrink_store.codecs import _nibbles, _payload, _zstd
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
@@ -50,7 +52,7 @@ MAX_ZSTD_EXPANSION = _zstd.MAX_EXPANSION  # zstd's largest expansion, rounded up
 HEADER = struct.Struct("<4sBBHQ16sQ")
 HEADER_SIZE = HEADER.size  # 40
 KIND_WHOLE, KIND_DELTA = 0, 1
-CODER_NONE, CODER_ZSTD = 0, 1
+CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD = 0, 1, 2
 #: zstd level of whole quantized payloads (one level id per byte). Level 1 both codes them
 #: smaller than level 3 on trained weights (2.18x vs 1.96x at 16 levels, 2.81x vs 2.54x at
 #: 8 levels pruned 30 %) and runs 3-10x faster; level 3 was the store's first choice.
@@ -90,9 +92,10 @@ def parse_header(oid: str, data: bytes, stored_size: int | None = None) -> Objec
             "Run `inshrink verify` to find what uses it."
         )
     magic, kind, coder, depth, length, base, checksum = HEADER.unpack_from(data, 0)
-    if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in (CODER_NONE, CODER_ZSTD):
+    if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in (CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD) \
+            or (kind == KIND_DELTA and coder == CODER_PACKED_ZSTD):
         raise IntegrityError(
-            f"Expected kind 0 or 1 and coder 0 or 1 in object {oid}. Got kind {kind}, coder "
+            f"Expected kind 0 or 1 and coder 0, 1 or 2 (2 for keyframes only) in object {oid}. Got kind {kind}, coder "
             f"{coder} instead: the object is corrupt. Run `inshrink verify` to find what uses it."
         )
     if (
@@ -114,6 +117,8 @@ def _max_logical(kind: int, coder: int, body_len: int) -> int:
     """The largest logical payload a body of ``body_len`` bytes can decode to."""
     if coder == CODER_ZSTD:
         body_len *= MAX_ZSTD_EXPANSION
+    elif coder == CODER_PACKED_ZSTD:  # unpacking at most doubles the ids
+        body_len *= 2 * MAX_ZSTD_EXPANSION
     if kind == KIND_DELTA:  # vdelta: every zstd'd symbol (1 or 2 bytes) -> one id of <= 2 bytes
         return _payload.HEADER_SIZE + 2 * MAX_ZSTD_EXPANSION * body_len
     return body_len
@@ -124,7 +129,7 @@ def _check_length(oid: str, kind: int, coder: int, length: int, body_len: int) -
     if body_len < 0 or (length != body_len if exact else length > _max_logical(kind, coder, body_len)):
         bound = f"equal to its body length {body_len}" if exact else (
             f"at most {_max_logical(kind, coder, max(body_len, 0))} bytes for a "
-            f"{max(body_len, 0)}-byte {'zstd ' if coder == CODER_ZSTD else ''}"
+            f"{max(body_len, 0)}-byte {'zstd ' if coder != CODER_NONE else ''}"
             f"{'delta' if kind == KIND_DELTA else 'keyframe'} body"
         )
         raise IntegrityError(
@@ -209,8 +214,8 @@ class ObjectStore:
 
     def _encode(self, payload: bytes, base: str | None) -> bytes:
         quantized = is_quantized_payload(payload)
-        body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload) if quantized else payload
-        whole = _frame(KIND_WHOLE, CODER_ZSTD if quantized else CODER_NONE, 0, payload, None, body)
+        coder, body = keyframe_body(payload)
+        whole = _frame(KIND_WHOLE, coder, 0, payload, None, body)
         if not quantized or base is None or base == content_id(payload):
             return whole
         try:
@@ -339,6 +344,21 @@ class ObjectStore:
         return out
 
 
+def keyframe_body(payload: bytes) -> tuple[int, bytes]:
+    """(coder, body) of a payload stored whole: a quantized payload zstd-compressed, as it is
+    or with its ids two per byte (whichever is smaller; the plain form on a tie), anything
+    else raw. The search's ratio estimate calls this too, so it measures what is stored."""
+    if not is_quantized_payload(payload):
+        return CODER_NONE, payload
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    body = compressor.compress(payload)
+    if _nibbles.packable(payload):
+        packed = compressor.compress(_nibbles.pack(payload))
+        if len(packed) < len(body):
+            return CODER_PACKED_ZSTD, packed
+    return CODER_ZSTD, body
+
+
 def _frame(
     kind: int, coder: int, depth: int, payload: bytes, base: str | None, body: bytes,
     version: int = 2,
@@ -389,6 +409,8 @@ def _decode_body(
                 len(body) * MAX_ZSTD_EXPANSION if header.is_delta else header.logical_length
             )
             body = _bounded_zstd(oid, body, limit)
+        elif header.coder == CODER_PACKED_ZSTD:  # a keyframe; packed, it is below its logical size
+            body = _nibbles.unpack(_bounded_zstd(oid, body, header.logical_length))
         if header.is_delta:
             if base is None:
                 raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")

@@ -11,8 +11,9 @@ buy the most error back:
   ``||w - q||^2 / ||w||^2``. Codebooks are fitted the way a save fits them (the log-space
   sketch of the unprotected values, approximate k-means); bytes and error come from a
   deterministic sample of contiguous blocks (16 x 4096 elements, the whole tensor when
-  smaller) whose level ids are compressed by the store's own zstd level: contexts survive in
-  a contiguous block, so the estimate follows the real encoder, not an entropy formula.
+  smaller) whose level ids are coded the way the store codes a keyframe (zstd, ids two per
+  byte when that is smaller): contexts survive in a contiguous block, so the estimate follows
+  the real encoder, not an entropy formula.
 - :func:`allocate` keeps each tensor's lower convex hull of (bytes, cost) and takes the
   steps up those hulls in order of cost removed per byte (a Lagrangian allocation: at every
   point no other split of the same bytes has a smaller total cost) until a byte budget is
@@ -40,7 +41,7 @@ import zstandard
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ZSTD_LEVEL
-from inshrink_store.codecs import _payload
+from inshrink_store.codecs import _nibbles, _payload
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
@@ -120,7 +121,7 @@ def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0
         ids[kept] = centres.size  # the protected id, as in the payload
         d = x[rest].astype(np.float64) - centres[ids[rest]]
         sq = (sum_of_products(d, d) * scale + prot_err) / norm if norm > 0 else 0.0
-        id_bytes = len(compressor.compress(ids.tobytes())) * flat.size / positions.size
+        id_bytes = _coded_ids(compressor, ids, centres.size + 1) * flat.size / positions.size
         out.append(Option(int(levels), id_bytes + prot_bytes + 4 * centres.size + _OVERHEAD, sq))
     return sorted(out, key=lambda o: (o.stored_bytes, o.sq_error))
 
@@ -128,6 +129,17 @@ def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0
 def cost(o: Option) -> float:
     """What the allocation minimises for one option: ``e2 * (1 + e2 / KNEE**2)``."""
     return o.sq_error * (1.0 + o.sq_error / KNEE**2)
+
+
+def _coded_ids(compressor: zstandard.ZstdCompressor, ids: np.ndarray, levels: int) -> int:
+    """Bytes of byte-wide ids as a keyframe codes them: zstd, of the ids two per byte when
+    ``levels`` (with the protected id) fit a nibble and that is smaller."""
+    plain = len(compressor.compress(ids.tobytes()))
+    if levels > _nibbles.MAX_LEVELS:
+        return plain
+    low, high = ids[0::2], np.zeros((ids.size + 1) // 2, np.uint8)
+    high[: ids.size // 2] = ids[1::2]
+    return min(plain, len(compressor.compress((low | (high << 4)).tobytes())))
 
 
 def hull(options: Sequence[Option]) -> list[Option]:

@@ -9,8 +9,9 @@ measurement encodes each tensor the way the store does:
   counting its chunk bytes: same codecs, chunk grid and padded edge chunks, so a change to
   the writer's codec choice changes the estimate with it. The store keeps those chunk
   objects as they are;
-- a quantized tensor as its ``inshrink.nuq`` payload compressed with zstd at the object
-  store's level (:data:`inshrink_store.cas.ZSTD_LEVEL`), encoded whole. A tensor of more
+- a quantized tensor as its ``inshrink.nuq`` payload coded the way the object store codes a
+  keyframe (:func:`inshrink_store.cas.keyframe_body`: zstd, with ids two per byte when that
+  is smaller), encoded whole. A tensor of more
   than one chunk (over 1 Mi float32 elements) costs the store a few hundred more bytes
   per chunk; the whole-tensor payload keeps every candidate measured alike, which is all
   the ranking needs.
@@ -26,10 +27,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import zarr
-import zstandard
 from zarr.core.buffer import Buffer
 
-from inshrink_store.cas import ZSTD_LEVEL
+from inshrink_store.cas import keyframe_body
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
 from inshrink_store.writer import ArrayPlan, create_array, lossless_codecs
@@ -47,7 +47,7 @@ def lossless_bytes(array: np.ndarray, dtype: str | None = None) -> int:
 
 
 def quantized_bytes(plan: ArrayPlan) -> int:
-    """Bytes the object store keeps for a quantized plan: its nuq payload, zstd-compressed."""
+    """Bytes the object store keeps for a quantized plan: its nuq payload, coded as a keyframe."""
     codec = plan.serializer
     if not isinstance(codec, NUQZarrCodec):
         raise FormatError(
@@ -56,7 +56,7 @@ def quantized_bytes(plan: ArrayPlan) -> int:
         )
     payload = NUQ(codec.codebook, codec.tolerance, codec.protected_dtype,
                   codec.dtype or str(plan.values.dtype)).encode(plan.values)
-    return len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload))
+    return len(keyframe_body(payload)[1])
 
 
 class RatioEstimator:
