@@ -26,7 +26,8 @@ from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputErro
 from inshrink_store.history import SnapshotInfo
 from inshrink_store.index import SnapshotIndex
 from inshrink_store.layout import snapshot_path, tree_path
-from inshrink_store.manifest import RootTree, Snapshot, check_commit_fields, utc_now
+from inshrink_store.manifest import NodeTree, RootTree, Snapshot, check_commit_fields, utc_now
+from inshrink_store.parallel import map_in_order
 from inshrink_store.parts import StoreParts
 from inshrink_store.residual import META_KEY, ResidualRef, ResidualWriter
 from inshrink_store.writer import ArrayPlan, previous_codecs, write_arrays
@@ -35,6 +36,8 @@ from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChun
 Progress = Callable[[str, int, int], None]
 #: attempts at a rebased commit before giving up (each lost race re-reads the head)
 MAX_REBASES = 8
+#: node trees a commit writes at once (small documents: the requests wait, not the cores)
+TREE_WRITE_THREADS = 8
 
 
 class Planner(Protocol):
@@ -241,13 +244,18 @@ class WriteSession:
         """Write the node trees storage lacks, then the root tree. A tree the view's parent
         names is stored (the parent was read under this lease, and no gc sweeps while it is
         held) and is skipped without asking storage: on an object store that is one request
-        saved per unchanged tensor."""
+        saved per unchanged tensor. The others are written side by side (each is a request or
+        two on an object store, and a DCP save has one per shard); the root goes last."""
         storage = self._parts.storage
         root, trees = view.build_trees()
         stored = set(view.parent.root.nodes.values()) if view.parent is not None else set()
-        for tree_id, tree in trees.items():
-            if tree_id not in stored and not storage.exists(tree_path(tree_id)):
-                storage.write(tree_path(tree_id), tree.to_bytes())
+
+        def write_tree(item: tuple[str, NodeTree]) -> None:
+            if not storage.exists(tree_path(item[0])):
+                storage.write(tree_path(item[0]), item[1].to_bytes())
+
+        map_in_order(write_tree, [(tid, tree) for tid, tree in trees.items() if tid not in stored],
+                     TREE_WRITE_THREADS, "inshrink-trees")
         if view.parent is None or root.id != view.parent.root_id:
             storage.write(tree_path(root.id), root.to_bytes())
         # The next save's parent is this version: it finds these trees in the process's index

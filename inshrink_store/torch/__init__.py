@@ -3,6 +3,9 @@
 ``save_state`` / ``load_state`` move nested state dicts in and out of a repository
 bit-exact; ``Checkpointer`` runs dynamic quantization from a training loop, keeps what
 :class:`Retention` says, and carries ``extra`` state (schedulers, :class:`RNGState`, epoch).
+For ``torch.distributed.checkpoint``, :class:`InshrinkStorageWriter` and
+:class:`InshrinkStorageReader` make one ``dcp.save`` one version (every rank writes its
+shards), and :class:`DistributedCheckpointer` adds the configuration search.
 """
 
 from inshrink_store.policy import SearchPolicy
@@ -13,6 +16,8 @@ from inshrink_store.torch.checkpointer import (
     Retention,
     RNGState,
 )
+from inshrink_store.torch.dcp import InshrinkStorageReader, InshrinkStorageWriter
+from inshrink_store.torch.dcp_checkpointer import DistributedCheckpointer
 from inshrink_store.torch.tensors import (
     TORCH_DTYPES,
     array_to_tensor,
@@ -30,7 +35,8 @@ from inshrink_store.torch.tensors import (
 )
 
 __all__ = [
-    "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "RNGState", "Retention", "SearchPolicy",
+    "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "DistributedCheckpointer",
+    "InshrinkStorageReader", "InshrinkStorageWriter", "RNGState", "Retention", "SearchPolicy",
     "array_to_tensor",
     "arrays_to_state", "export_safetensors", "export_tensors", "import_file", "load_checkpoint_file", "load_state",
     "load_state_report",

@@ -1,0 +1,121 @@
+"""DistributedCheckpointer: the Checkpointer's decision with DCP's sharded writes, one call site.
+
+In a DDP or FSDP loop every rank calls :meth:`DistributedCheckpointer.save` with the same
+step. Rank 0 decides how to store the model: the configuration search of
+:class:`~inshrink_store.policy.SearchPolicy` with ``eval_fn`` on ``eval_model`` (an
+unsharded model that rank 0 holds: the DDP module, or for FSDP a CPU copy loaded from a
+full state dict), the policy's ``base`` without ``eval_fn``, or nothing with
+``lossless=True``. The decision travels to every rank as JSON, and every rank then runs
+``dcp.save`` with an :class:`~inshrink_store.torch.dcp.InshrinkStorageWriter` quantizing
+with it, writing its own shards; the version's ``metadata["quantization"]`` records the
+decision as the Checkpointer's do. :meth:`restore` is ``dcp.load`` of a version (any world
+size) and continues the search from its configuration.
+
+What the single-process Checkpointer does and this does not (yet): the gradient EMA
+(pruning here is by magnitude), compressed optimizer moments (optimizer state is stored
+exactly), restore residuals (a restore gets the stored, quantized model weights),
+retention, background saves (``dcp.async_save`` with the writer is the way to overlap).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from inshrink_store.errors import InvalidInputError
+from inshrink_store.policy import Candidates, QuantConfig, QuantizationRecord, SearchPolicy
+from inshrink_store.torch.checkpointer import _QuantizedEval
+from inshrink_store.torch.dcp import InshrinkStorageReader, InshrinkStorageWriter
+from inshrink_store.torch.dcp_comm import broadcast_json
+from inshrink_store.torch.tensors import state_to_arrays, torch
+
+__all__ = ["DistributedCheckpointer"]
+
+
+class DistributedCheckpointer:
+    """Save and restore ``state`` (what you would pass to ``dcp.save``: ``{"model": ...,
+    "optim": ...}``, Stateful objects welcome) as versions of ``branch`` at ``url``.
+
+    The ``model`` part of ``state`` is what gets quantized (its FQNs ``model.*``), and
+    ``eval_model`` must be the same model, unsharded, on rank 0 (other ranks may pass None).
+    ``eval_fn(model) -> quality`` runs on rank 0 only. ``process_group``: the group to save
+    over (None: the default group)."""
+
+    def __init__(self, url: str, state: Mapping[str, Any], *, eval_fn: Callable[[Any], float] | None = None,
+                 eval_model: Any = None, policy: SearchPolicy | None = None, lossless: bool = False,
+                 branch: str = "main", storage_options: Mapping[str, Any] | None = None,
+                 process_group: Any = None, gc_wait: float = 600.0) -> None:
+        if not isinstance(state, Mapping):
+            raise InvalidInputError(
+                f"Expected state to be a dict such as {{'model': model, 'optim': optimizer}}. Got "
+                f"{type(state).__name__} instead.")
+        if lossless and (eval_fn is not None or policy is not None):
+            raise InvalidInputError(
+                "Expected lossless=True alone (no search). Got eval_fn or policy as well instead; drop one.")
+        if eval_fn is not None and eval_model is None and _rank(process_group) == 0:
+            raise InvalidInputError(
+                "Expected eval_model (the unsharded model eval_fn scores) on rank 0 with eval_fn. Got None instead.")
+        self.url, self.state, self.branch = url, state, branch
+        self.eval_fn, self.eval_model, self.lossless = eval_fn, eval_model, lossless
+        self.policy = policy if policy is not None else SearchPolicy()
+        self.storage_options = dict(storage_options or {})
+        self.process_group, self.gc_wait = process_group, gc_wait
+        #: the configuration of the last version saved or restored (continues the search)
+        self.previous: QuantConfig | None = None
+        #: the record of the last save's decision (every rank has it)
+        self.last_record: QuantizationRecord | None = None
+
+    def save(self, step: int, metrics: Mapping[str, float] | None = None, message: str | None = None) -> str:
+        """Decide on rank 0, then every rank writes its shards; returns the new snapshot id on
+        every rank. On failure nothing is committed and the writer lease is released."""
+        record = QuantizationRecord.from_dict(
+            broadcast_json("decide how to store the model", self._decide, self.process_group))
+        writer = InshrinkStorageWriter(
+            self.url, self.branch, quantize=record.config, storage_options=self.storage_options,
+            message=message or f"step {step}", step=step, metrics=metrics,
+            metadata={"quantization": record.to_dict()}, gc_wait=self.gc_wait, process_group=self.process_group)
+        try:
+            metadata = torch.distributed.checkpoint.save(dict(self.state), storage_writer=writer,
+                                                         process_group=self.process_group)
+        except BaseException:
+            writer.abort()
+            raise
+        self.previous, self.last_record = record.config, record
+        return str(metadata.storage_data["snapshot"])
+
+    def restore(self, ref: str = "main") -> int | None:
+        """Load ``ref`` into ``state`` on every rank (resharded to this run's layout); returns its step."""
+        reader = InshrinkStorageReader(self.url, ref, storage_options=self.storage_options)
+        torch.distributed.checkpoint.load(dict(self.state), storage_reader=reader, process_group=self.process_group)
+        info = reader.info
+        recorded = info.metadata.get("quantization")
+        self.previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
+        return info.step
+
+    def _decide(self) -> dict[str, Any]:
+        """Rank 0's decision as a JSON-native QuantizationRecord."""
+        policy = self.policy
+        if self.lossless:
+            return QuantizationRecord(None, policy.tolerance, policy.higher_is_better).to_dict()
+        if self.eval_fn is None:
+            return QuantizationRecord(policy.base, policy.tolerance, policy.higher_is_better).to_dict()
+        model = copy.deepcopy(self.eval_model).to("cpu")
+        state = model.state_dict()
+        if any(type(t).__name__ in ("DTensor", "ShardedTensor") for t in state.values()):
+            raise InvalidInputError(
+                "Expected eval_model to be unsharded on rank 0 (plain tensors). Got a sharded model instead; for "
+                "FSDP load a full state dict into a CPU copy of the model and pass that.")
+        arrays, dtypes, _ = state_to_arrays({"model": state})
+        kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in model.named_modules()
+                 for p, _ in mod.named_parameters(recurse=False)}
+        candidates = Candidates(arrays, dtypes, {}, module_kinds=kinds, keep=policy.keep)
+        evaluate = _QuantizedEval(self.eval_fn, model, dtypes)
+        decision = dataclasses.replace(policy, optimizer=None).decide(candidates, evaluate, previous=self.previous)
+        return decision.record.to_dict()
+
+
+def _rank(group: Any) -> int:
+    dist = torch.distributed
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
