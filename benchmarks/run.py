@@ -14,7 +14,8 @@ training resumed from compressed moments (a plot in docs/img/); ten failures in 
 resumed exactly and lossily (a plot); where a quantized save and a restore spend their
 CPU, stage by stage, against the throughput targets; save and restore time from 1 M to
 300 M parameters (a plot); the HTTP requests each store operation makes on
-S3 (moto's server on loopback). The entropy-coder study has its own command (``bench_entropy_coders.py``)
+S3 (moto's server on loopback); distributed saves through ``torch.distributed.checkpoint`` with
+1, 2 and 4 ranks against DCP's own writers. The entropy-coder study has its own command (``bench_entropy_coders.py``)
 and page (``docs/understanding/deltas.md``): it is research, not a target.
 Timings are wall clock on whatever machine runs this; the page records which.
 """
@@ -34,6 +35,7 @@ LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_dcp  # noqa: E402
 import bench_delta  # noqa: E402
 import bench_fault_tolerance  # noqa: E402
 import bench_lossless  # noqa: E402
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
          lambda: bench_scaling.to_markdown(bench_scaling.run(quick=args.quick))),
         ("Requests against an object store (S3)", "object-store requests",
          lambda: bench_requests.to_markdown(bench_requests.run(quick=args.quick))),
+        ("Distributed saves through torch.distributed.checkpoint (S3)", "DCP",
+         lambda: bench_dcp.table(bench_dcp.run(mib=8 if args.quick else 32), 8 if args.quick else 32)),
     ]
     for title, label, step in steps:
         t0 = time.perf_counter()
@@ -124,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         "ratios and errors are exact and reproducible (every input is seeded).",
         "",
         *sections,
+        "## Measured elsewhere, each with its own command",
+        "",
+        "- Rate and distortion on real pretrained models (per-tensor allocation vs one configuration, "
+        "k-means + zstd, int8/int4; bits per level id vs their entropy): "
+        "`python benchmarks/bench_rate_distortion.py` writes "
+        "[understanding/rate-distortion.md](understanding/rate-distortion.md).",
+        "- The paper's fault-tolerance experiment with its baselines, tolerance sweep and restores: "
+        "`python -m benchmarks evaluate` writes [evaluation.md](evaluation.md).",
+        "- Entropy coders for level-id deltas: `python benchmarks/bench_entropy_coders.py` writes "
+        "[understanding/deltas.md](understanding/deltas.md).",
+        "",
     ])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(page)

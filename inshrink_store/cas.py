@@ -7,8 +7,8 @@ whole or as a delta. The stored form starts with a fixed header::
     0   4  magic        b"ISO\\x02" (format 2; b"ISO\\x01", format 1, is still read)
     4   1  kind         0 = whole (keyframe), 1 = delta against ``base``
     5   1  coder        0 = none, 1 = zstd, 2 = zstd of the payload with its level ids
-                        packed two per byte (keyframes of <= 16 levels, see
-                        ``codecs/_nibbles``; written when smaller than 1)
+                        packed two per byte (keyframes of <= 31 levels, ids from 15
+                        escaped above 16; see ``codecs/_nibbles``; written when smaller)
     6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
     8   8  logical length
     16 16  base id      raw 16 bytes of the base's id, zeros when whole

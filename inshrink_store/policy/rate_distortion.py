@@ -37,11 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import zstandard
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.cas import ZSTD_LEVEL
-from inshrink_store.codecs import _nibbles, _payload
+from inshrink_store.cas import keyframe_body
+from inshrink_store.codecs import _payload
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
@@ -113,7 +112,6 @@ def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0
     prot_err = _protected_error(flat, protected, dtype, protected_dtype)
     prot_bytes = np.count_nonzero(protected) * _payload.PROTECTED_ITEMSIZE[protected_dtype]
     out = [] if lossless_bytes is None else [Option(None, float(lossless_bytes), 0.0)]
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     for levels in ladder:
         centres = fit_codebook(None, int(levels), include_zero=False, sketch=sketch,
                                dtype=dtype).astype(np.float32)
@@ -121,7 +119,7 @@ def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0
         ids[kept] = centres.size  # the protected id, as in the payload
         d = x[rest].astype(np.float64) - centres[ids[rest]]
         sq = (sum_of_products(d, d) * scale + prot_err) / norm if norm > 0 else 0.0
-        id_bytes = _coded_ids(compressor, ids, centres.size + 1) * flat.size / positions.size
+        id_bytes = _coded_ids(ids, centres.size + 1) * flat.size / positions.size
         out.append(Option(int(levels), id_bytes + prot_bytes + 4 * centres.size + _OVERHEAD, sq))
     return sorted(out, key=lambda o: (o.stored_bytes, o.sq_error))
 
@@ -131,15 +129,11 @@ def cost(o: Option) -> float:
     return o.sq_error * (1.0 + o.sq_error / KNEE**2)
 
 
-def _coded_ids(compressor: zstandard.ZstdCompressor, ids: np.ndarray, levels: int) -> int:
-    """Bytes of byte-wide ids as a keyframe codes them: zstd, of the ids two per byte when
-    ``levels`` (with the protected id) fit a nibble and that is smaller."""
-    plain = len(compressor.compress(ids.tobytes()))
-    if levels > _nibbles.MAX_LEVELS:
-        return plain
-    low, high = ids[0::2], np.zeros((ids.size + 1) // 2, np.uint8)
-    high[: ids.size // 2] = ids[1::2]
-    return min(plain, len(compressor.compress((low | (high << 4)).tobytes())))
+def _coded_ids(ids: np.ndarray, levels: int) -> int:
+    """Bytes of byte-wide ids (``levels`` counting the protected id) as the store codes them in
+    a keyframe (:func:`inshrink_store.cas.keyframe_body`); the protected words are left out."""
+    protected = np.zeros(int(np.count_nonzero(ids == levels - 1)), np.uint16)
+    return len(keyframe_body(_payload.pack(levels, ids, "bfloat16", protected))[1])
 
 
 def hull(options: Sequence[Option]) -> list[Option]:

@@ -57,7 +57,8 @@ def test_cost_is_the_squared_error_while_small_and_more_past_the_knee() -> None:
 
 def _breakpoints(hulls: dict[str, list[Option]]) -> list[float]:
     """Total bytes after each step of the climb, in the order the climb takes them."""
-    steps = sorted(((cost(h[i - 1]) - cost(h[i])) / (h[i].stored_bytes - h[i - 1].stored_bytes), k, i)
+    hulls = dict(sorted(hulls.items()))  # the climb's own order, so the sums round alike
+    steps = sorted(((cost(h[i - 1]) - cost(h[i])) / max(h[i].stored_bytes - h[i - 1].stored_bytes, 1e-9), k, i)
                    for k, h in hulls.items() for i in range(1, len(h)))
     total = sum(h[0].stored_bytes for h in hulls.values())
     out = [total]
@@ -85,7 +86,7 @@ def test_allocation_spends_at_most_the_budget_and_is_optimal_at_its_breakpoints(
     # a budget at one of the climb's breakpoints: no way of storing the tensors (any options,
     # on the hull or not) within those bytes has less total error
     points = _breakpoints(hulls)
-    at = points[pick % len(points)] * (1 + 1e-12)
+    at = points[pick % len(points)]  # exactly the climb's running total after some steps
     got = sum(cost(o) for o in allocate(tensors, budget_bytes=at).values())
     best = min(sum(cost(o) for o in combo) for combo in itertools.product(*tensors.values())
                if sum(o.stored_bytes for o in combo) <= at)
