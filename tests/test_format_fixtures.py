@@ -2,7 +2,8 @@
 tests/fixtures/, must read back exactly as they did when they were written.
 
 ``store-objects-v1`` was written by the release before object format 2 (its objects have
-the body-only checksum), ``store-objects-v2`` by the current one; both by
+the body-only checksum), ``store-objects-v2`` by the release before packed level ids (object
+coder 2), ``store-objects-v3`` by the current one (a keyframe with packed ids); all by
 ``tests/fixtures/make_store.py``. ``expected.json`` holds a hash of every tensor of every
 version as first read, so any change in how old bytes decode fails here.
 """
@@ -64,3 +65,12 @@ def test_old_stores_take_new_commits(store: tuple[str, str]) -> None:
     assert info.parent == repo.resolve("main~1")
     np.testing.assert_array_equal(repo.load("main")["model/b"], tensors(3)["model/b"])
     assert repo.gc().kept_snapshots >= 5 and repo.verify().ok
+
+
+def test_the_newest_fixture_holds_a_packed_keyframe() -> None:
+    """The fixture guards object coder 2 only if it really holds one."""
+    from inshrink_store import cas
+
+    root = FIXTURES / "store-objects-v3" / "objects"
+    coders = {cas.parse_header(p.parent.name + p.name, p.read_bytes()).coder for p in root.rglob("*") if p.is_file()}
+    assert cas.CODER_PACKED_ZSTD in coders
