@@ -12,6 +12,7 @@ with the reader and the writer, so its trees are read once per process.
 from __future__ import annotations
 
 import asyncio
+import json
 import posixpath
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -109,6 +110,17 @@ class SnapshotChunks:
         return self.index.entry(key) is not None
 
 
+def compact_json(text: bytes) -> bytes:
+    """A zarr.json document without its indentation (zarr writes 2-space indented JSON; it is
+    stored inline in every node tree of every version that changes the array, and on a small
+    model those documents were a fifth to a half of all stored bytes). Same document, key
+    order kept; text that is not JSON is kept as it is (zarr reads whatever it wrote)."""
+    try:
+        return json.dumps(json.loads(text), separators=(",", ":")).encode()
+    except (ValueError, RecursionError):
+        return text
+
+
 class PendingChunks:
     """A writable view that starts as a copy of its parent's entries (or empty)."""
 
@@ -153,7 +165,7 @@ class PendingChunks:
     def put(self, key: str, value: bytes) -> None:
         if posixpath.basename(key) == METADATA_KEY and _is_text(value):
             with self._lock:
-                self.entries[key] = Entry(inline=bytes(value))
+                self.entries[key] = Entry(inline=compact_json(bytes(value)))
             return
         previous = self._parent_entries.get(key)
         base = previous.oid if previous is not None else None
