@@ -16,16 +16,22 @@ Layout (all integers little-endian), see ``codecs/inshrink.nuq/README.md``::
 Ids are whole bytes (never bit-packed) so that deltas, regrouping and the entropy
 coder see whole symbols. Everything needed to split the payload is in it, so a
 malformed payload is detected here, once, for every codec that reads one.
+
+A payload is assembled and parsed in the library of its ids (numpy, or CuPy on a GPU:
+:mod:`inshrink_store.codecs._xp`): the n ids stay where they are, only the 28 header bytes
+and the P protected words (few, and converted on the host) cross to the host.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from inshrink_store import dtypes
+from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
 
 MAGIC = b"INQ\x01"
@@ -63,10 +69,11 @@ def is_quantized_payload(data: bytes | memoryview) -> bool:
 
 @dataclass(frozen=True)
 class Payload:
-    """A parsed payload: ids (uint8/uint16 view), protected values as raw little-endian words."""
+    """A parsed payload: ids (uint8/uint16 view, in the library of the parsed data), protected
+    values as raw little-endian words (always a numpy array: they are decoded on the host)."""
 
     levels: int
-    ids: np.ndarray
+    ids: Any  # np.ndarray, or a CuPy array for a payload parsed on the device
     protected_dtype: str
     protected: np.ndarray  # uint16 bit patterns (bfloat16) or float32
 
@@ -78,33 +85,65 @@ class Payload:
         return pack(self.levels, self.ids, self.protected_dtype, self.protected)
 
 
-def pack(levels: int, ids: np.ndarray, protected_dtype: str, protected: np.ndarray) -> bytes:
-    """Serialise ids and protected values; the inverse of :func:`unpack`."""
+def assemble(levels: int, ids: Any, protected_dtype: str, protected: Any) -> Any:
+    """The payload as one uint8 array in the library of ``ids`` (numpy, or CuPy on a GPU,
+    where the n ids are copied device to device and only header and protected words come
+    from the host). :func:`pack` is its bytes."""
     width = id_width_for(levels)
     if protected_dtype not in PROTECTED_CODES:
         raise FormatError(
             f"Expected protected dtype 'bfloat16' or 'float32'. Got {protected_dtype!r} instead."
         )
-    ids = np.ascontiguousarray(ids, dtype=id_dtype(width)).ravel()
-    n_prot = int(protected.size)
+    xp = array_namespace(ids)
+    ids = xp.asarray(ids).reshape(-1)
+    words = np.ascontiguousarray(to_host(protected), dtype=protected_word(protected_dtype)).ravel()
+    n, body = int(ids.size), HEADER_SIZE + int(ids.size) * width
     header = HEADER.pack(
-        MAGIC, VERSION, width, PROTECTED_CODES[protected_dtype], 0, ids.size, levels, n_prot
+        MAGIC, VERSION, width, PROTECTED_CODES[protected_dtype], 0, n, levels, words.size
     )
-    body = np.ascontiguousarray(protected, dtype=protected_word(protected_dtype)).ravel()
-    return header + ids.tobytes() + body.tobytes()
+    out = xp.empty(body + words.nbytes, dtype=np.uint8)
+    out[:HEADER_SIZE] = like(np.frombuffer(header, np.uint8), xp)
+    out[HEADER_SIZE:body].view(id_dtype(width))[...] = ids  # cast as astype does (unsafe)
+    out[body:] = like(words.view(np.uint8), xp)
+    return out
 
 
-def unpack(data: bytes | bytearray | memoryview | np.ndarray) -> Payload:
-    """Parse and validate a payload; every inconsistency raises :class:`FormatError`."""
-    raw = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(
-        np.ascontiguousarray(data).view("u1").ravel().data
-    )
-    if len(raw) < HEADER_SIZE:
+def pack(levels: int, ids: Any, protected_dtype: str, protected: Any) -> bytes:
+    """Serialise ids and protected values; the inverse of :func:`unpack`."""
+    return to_host(assemble(levels, ids, protected_dtype, protected)).tobytes()
+
+
+def _byte_array(data: Any) -> Any:
+    """``data`` as a flat uint8 array without copying: numpy for bytes-likes and numpy
+    arrays, CuPy for CuPy arrays."""
+    xp = array_namespace(data)
+    if xp is not np:
+        return xp.ascontiguousarray(data).reshape(-1).view(xp.uint8)
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).view("u1").reshape(-1)
+    return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+
+
+def _aligned(raw: Any, width: int) -> Any:
+    """A device byte array whose ids start on a ``width``-byte boundary (a misaligned
+    uint16 load faults on a GPU; numpy reads unaligned views as they are)."""
+    if width == 1 or isinstance(raw, np.ndarray) or raw.data.ptr % width == 0:
+        return raw
+    return raw.copy()
+
+
+def unpack(data: Any) -> Payload:
+    """Parse and validate a payload (bytes-like, numpy or CuPy array); every inconsistency
+    raises :class:`FormatError`."""
+    raw = _byte_array(data)
+    if raw.size < HEADER_SIZE:
         raise FormatError(
             f"Expected a quantized payload of at least {HEADER_SIZE} header bytes. "
-            f"Got {len(raw)} bytes instead (truncated?)."
+            f"Got {raw.size} bytes instead (truncated?)."
         )
-    magic, version, width, pcode, _reserved, n, levels, n_prot = HEADER.unpack_from(raw, 0)
+    magic, version, width, pcode, _reserved, n, levels, n_prot = HEADER.unpack(
+        to_host(raw[:HEADER_SIZE]).tobytes()
+    )
     if magic != MAGIC:
         raise FormatError(f"Expected payload magic {MAGIC!r}. Got {bytes(magic)!r} instead.")
     if version != VERSION:
@@ -119,22 +158,29 @@ def unpack(data: bytes | bytearray | memoryview | np.ndarray) -> Payload:
             f"Expected id width {id_width_for(levels)} for {levels} levels. Got {width} instead."
         )
     pname = PROTECTED_DTYPES[pcode]
-    expected = HEADER_SIZE + n * width + n_prot * PROTECTED_ITEMSIZE[pname]
-    if len(raw) != expected:
+    body = HEADER_SIZE + n * width
+    expected = body + n_prot * PROTECTED_ITEMSIZE[pname]
+    if raw.size != expected:
         raise FormatError(
             f"Expected {expected} payload bytes for {n} ids and {n_prot} protected values. "
-            f"Got {len(raw)} instead (truncated or trailing bytes)."
+            f"Got {raw.size} instead (truncated or trailing bytes)."
         )
-    ids = np.frombuffer(raw, dtype=id_dtype(width), count=n, offset=HEADER_SIZE)
-    if n and int(ids.max()) >= levels:
+    ids = _aligned(raw, width)[HEADER_SIZE:body].view(id_dtype(width))
+    _check_ids(ids, levels, n_prot)
+    prot = to_host(raw[body:]).view(protected_word(pname))
+    return Payload(levels=levels, ids=ids, protected_dtype=pname, protected=prot)
+
+
+def _check_ids(ids: Any, levels: int, n_prot: int) -> None:
+    """Every id below B, and as many protected ids (B - 1) as the header counts."""
+    if ids.size and int(ids.max()) >= levels:
         raise FormatError(
             f"Expected level ids below B={levels}. Got id {int(ids.max())} instead."
         )
-    actual_prot = int(np.count_nonzero(ids == levels - 1))
+    xp = array_namespace(ids)
+    actual_prot = int(xp.count_nonzero(ids == levels - 1))
     if actual_prot != n_prot:
         raise FormatError(
             f"Expected {n_prot} protected ids (id {levels - 1}) as the header says. "
             f"Got {actual_prot} instead."
         )
-    prot = np.frombuffer(raw, dtype=protected_word(pname), count=n_prot, offset=HEADER_SIZE + n * width)
-    return Payload(levels=levels, ids=ids, protected_dtype=pname, protected=prot)

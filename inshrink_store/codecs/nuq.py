@@ -12,6 +12,13 @@ bytes: the codec is a projection. Spec: ``codecs/inshrink.nuq/README.md``.
 Speed: encoding works in cache-sized blocks and finds the nearest centre by
 counting midpoints below each value (a few vectorised compares beat a binary
 search up to ~64 centres); larger codebooks use ``np.searchsorted`` on the midpoints.
+
+GPU: :class:`Quantizer` takes numpy or CuPy arrays (:mod:`inshrink_store.codecs._xp`). On a
+device the level assignment is one fused kernel (:mod:`inshrink_store.codecs._gpu`); the
+rest is this module's code on CuPy arrays: the rejected elements are found on the device,
+settled on the host (they are few: rescue and protection are rare-path numpy code shared
+by both), and the payload is assembled on the device, so only ids and protected values
+cross to the host. The payload bytes are the same on both (``tests/test_gpu``).
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from zarr.core.buffer import Buffer, NDBuffer
 from zarr.registry import register_codec as register_zarr_codec
 
 from inshrink_store import dtypes
-from inshrink_store.codecs import _payload
+from inshrink_store.codecs import _gpu, _payload
 from inshrink_store.codecs._config import check_config, named_configuration
+from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
 
 CODEC_ID = "inshrink.nuq"
@@ -69,26 +77,40 @@ def midpoints(centres: np.ndarray) -> np.ndarray:
     return np.where(mids >= c[1:], np.nextafter(c[1:], np.float32(-np.inf)), mids).astype(np.float32)
 
 
-def _nearest_into(x: np.ndarray, mids: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
-    """out[i] = number of midpoints strictly below x[i] (NaN -> 0 or len(mids); callers mask it)."""
+def _nearest_into(x: Any, mids: np.ndarray, out: Any, scratch: Any) -> None:
+    """out[i] = number of midpoints strictly below x[i] (NaN -> 0 or len(mids); callers mask it).
+
+    Array-library generic (``x``, ``out`` and ``scratch`` numpy or CuPy; ``mids`` on the host):
+    the GPU's fused kernel computes the same count (``_gpu.assign_levels``)."""
+    xp = array_namespace(x)
     if len(mids) <= _COMPARE_LOOP_MAX:
         out[...] = 0
         flags = scratch[: x.size]
         for m in mids:
-            np.greater(x, m, out=flags)
-            np.add(out, flags.view(np.uint8), out=out)
+            xp.greater(x, m, out=flags)
+            xp.add(out, flags.view(np.uint8), out=out)
     else:
-        out[...] = np.searchsorted(mids, x, side="left")
+        out[...] = xp.searchsorted(like(mids, xp), x, side="left")
 
 
-def nearest_index(x: np.ndarray, centres: np.ndarray) -> np.ndarray:
+def _id_dtype_for(centres: int) -> np.dtype:
+    return np.dtype(np.uint8 if centres <= 255 else np.uint16)
+
+
+def nearest_index(x: Any, centres: Any) -> Any:
     """Index of the nearest centre for float32 ``x`` (ties to the lower one).
 
-    uint8 for up to 255 centres, else uint16. NaN gets an arbitrary index: mask it.
+    uint8 for up to 255 centres, else uint16. NaN gets an arbitrary index: mask it. A CuPy
+    ``x`` is assigned on its device by the fused kernel and gives a CuPy array.
     """
+    xp = array_namespace(x)
+    centres = to_host(centres)
+    if xp is not np:
+        flat = xp.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        return _gpu.nearest_index(flat, midpoints(centres), _id_dtype_for(len(centres)))
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     mids = midpoints(centres)
-    out = np.empty(x.size, np.uint8 if len(centres) <= 255 else np.uint16)
+    out = np.empty(x.size, _id_dtype_for(len(centres)))
     scratch = np.empty(min(x.size, _BLOCK), bool)
     for start in range(0, x.size, _BLOCK):
         _nearest_into(x[start : start + _BLOCK], mids, out[start : start + _BLOCK], scratch)
@@ -175,8 +197,23 @@ class Quantizer:
 
     # -- encode -----------------------------------------------------------------------
 
-    def encode(self, carrier: np.ndarray) -> bytes:
+    def encode(self, carrier: Any) -> bytes:
+        """The payload of a carrier array (numpy, or CuPy: computed on its device)."""
+        return to_host(self.encode_array(carrier)).tobytes()
+
+    def encode_array(self, carrier: Any) -> Any:
+        """The payload as a uint8 array in the carrier's library: on a GPU it stays on the
+        device (a zarr GPU buffer), only protected values having crossed to the host."""
         flat = carrier.reshape(-1)
+        ids, ok = self._assign(flat)
+        return self._finish(flat, ids, ok)
+
+    def _assign(self, flat: Any) -> tuple[Any, Any]:
+        """Each element's nearest centre and whether it may take it (the bulk of the work):
+        cache-sized numpy blocks on the host, one fused kernel on a device."""
+        if array_namespace(flat) is not np:
+            return _gpu.assign_levels(flat, self.dtype, self.mids, self.centres, self.tol32,
+                                      self.id_dtype)
         ids = np.empty(flat.size, self.id_dtype)
         ok = np.empty(flat.size, bool)
         scratch = np.empty(min(flat.size, _BLOCK), bool)
@@ -184,12 +221,25 @@ class Quantizer:
             x = self.values_of(flat[start : start + _BLOCK])
             _nearest_into(x, self.mids, ids[start : start + _BLOCK], scratch)
             self._accept(x, ids[start : start + _BLOCK], ok[start : start + _BLOCK])
-        rejected = np.flatnonzero(~ok)
-        if rejected.size and self.tol32 is not None:
-            self._rescue(flat, rejected, ids, ok)
-            rejected = np.flatnonzero(~ok)
-        ids[rejected] = self.levels - 1
-        return _payload.pack(self.levels, ids, self.protected_dtype, self._protect(flat[rejected]))
+        return ids, ok
+
+    def _finish(self, flat: Any, ids: Any, ok: Any) -> Any:
+        """Settle the rejected elements, patch their ids, assemble the payload (in the
+        library of ``flat``; only the rejected elements visit the host)."""
+        xp = array_namespace(flat)
+        rejected = xp.flatnonzero(~ok)
+        settled, words = self._settle(to_host(flat[rejected]))
+        if settled.size:
+            ids[rejected] = like(settled, xp)
+        return _payload.assemble(self.levels, ids, self.protected_dtype, words)
+
+    def _settle(self, carriers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rejected elements (host, element order) -> their final ids (a rescued centre, or
+        the protected id B - 1) and the protected words of those left protected."""
+        ids = np.full(carriers.size, self.levels - 1, self.id_dtype)
+        if carriers.size and self.tol32 is not None:
+            self._rescue(carriers, ids)
+        return ids, self._protect(carriers[ids == self.levels - 1])
 
     def _accept(self, x: np.ndarray, idx: np.ndarray, ok: np.ndarray) -> None:
         """ok = x may take the id of its nearest centre ``idx``."""
@@ -205,17 +255,16 @@ class Quantizer:
             np.abs(near, out=near)
         np.less_equal(near, self.tol32, out=ok)  # inf and NaN differences fail here
 
-    def _rescue(self, flat: np.ndarray, rejected: np.ndarray, ids: np.ndarray, ok: np.ndarray) -> None:
+    def _rescue(self, carriers: np.ndarray, ids: np.ndarray) -> None:
         """Quantize a rejected finite value when the value it would be stored as is within
         tolerance of a centre: decoding then re-encoding must give the same bytes."""
-        finite = rejected[np.isfinite(self.values_of(flat[rejected]))]
+        finite = np.flatnonzero(np.isfinite(self.values_of(carriers)))
         if not finite.size:
             return
-        stored = self._stored_values(self._protect(flat[finite]))
+        stored = self._stored_values(self._protect(carriers[finite]))
         idx = nearest_index(stored, self.centres).astype(self.id_dtype, copy=False)
         accept = np.empty(stored.size, bool)
         self._accept(stored, idx, accept)
-        ok[finite[accept]] = True
         ids[finite[accept]] = idx[accept]
 
     def _protect(self, carrier: np.ndarray) -> np.ndarray:
@@ -241,8 +290,9 @@ class Quantizer:
 
     # -- decode -----------------------------------------------------------------------
 
-    def decode(self, data: Any) -> np.ndarray:
-        """Payload -> flat array of the element carrier dtype."""
+    def decode(self, data: Any) -> Any:
+        """Payload -> flat array of the element carrier dtype, in the library of ``data``
+        (bytes and numpy arrays decode on the host, a CuPy array on its device)."""
         payload = _payload.unpack(data)
         if payload.levels != self.levels:
             raise FormatError(
@@ -250,10 +300,11 @@ class Quantizer:
                 f"centres + protected). Got {payload.levels} instead: the codec configuration "
                 "does not belong to this chunk."
             )
-        out = self.table.take(payload.ids)
+        xp = array_namespace(payload.ids)
+        out = like(self.table, xp).take(payload.ids)
         if payload.protected.size:
-            out[payload.ids == self.levels - 1] = self._unprotect(
-                payload.protected, payload.protected_dtype
+            out[payload.ids == self.levels - 1] = like(
+                self._unprotect(payload.protected, payload.protected_dtype), xp
             )
         return out
 
@@ -450,7 +501,8 @@ class NUQZarrCodec(ArrayBytesCodec):
         return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
 
     def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> NDBuffer:
-        values = self._quantizer(chunk_spec).decode(chunk_bytes.as_numpy_array())
+        # as_array_like: a device array under zarr.config.enable_gpu(), decoded on the device
+        values = self._quantizer(chunk_spec).decode(chunk_bytes.as_array_like())
         expected = math.prod(chunk_spec.shape)
         if values.size != expected:
             raise FormatError(
@@ -458,14 +510,16 @@ class NUQZarrCodec(ArrayBytesCodec):
                 f"Got {values.size} instead."
             )
         native = np.dtype(chunk_spec.dtype.to_native_dtype())
-        return chunk_spec.prototype.nd_buffer.from_numpy_array(
+        return chunk_spec.prototype.nd_buffer.from_ndarray_like(
             values.view(native).reshape(chunk_spec.shape)
         )
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer:
         q = self._quantizer(chunk_spec)
-        carrier = np.ascontiguousarray(chunk_array.as_numpy_array()).view(_carrier(q.dtype))
-        return chunk_spec.prototype.buffer.from_bytes(q.encode(carrier))
+        array = chunk_array.as_ndarray_like()  # a device array under zarr.config.enable_gpu()
+        xp = array_namespace(array)
+        carrier = xp.ascontiguousarray(array).view(_carrier(q.dtype))
+        return chunk_spec.prototype.buffer.from_array_like(q.encode_array(carrier))
 
     def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
         raise NotImplementedError("inshrink.nuq payloads are variable-size")

@@ -15,6 +15,11 @@ against per-group frames and the paper's RLE + Huffman in
 The header carries the base's level count and xxh3-64, so decoding against the wrong
 base is an :class:`IntegrityError`, never silently wrong ids.
 Byte layout and change log: ``codecs/inshrink.vdelta/README.md``.
+
+The id arithmetic (:func:`delta_stream`, :func:`apply_stream`) takes numpy or CuPy ids
+(:mod:`inshrink_store.codecs._xp`): modular uint8/uint16 arithmetic and a stable argsort
+(CuPy's is a stable radix sort) give the same symbols on a device; the codec itself, which
+the store runs on payload bytes, works on the host.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
 
 from inshrink_store.codecs import _payload, _zstd
+from inshrink_store.codecs._xp import array_namespace
 from inshrink_store.errors import FormatError, IntegrityError
 
 
@@ -61,45 +67,49 @@ def delta_dtype(levels: int) -> np.dtype:
     return np.dtype("<u1") if levels <= 256 else np.dtype("<u2")
 
 
-def mod_sub(a: np.ndarray, b: np.ndarray, levels: int) -> np.ndarray:
+def mod_sub(a: Any, b: Any, levels: int) -> Any:
     """``(a - b) mod levels`` for values already in ``0..levels-1``, without widening.
 
     The subtraction wraps modulo 2**bits; adding ``levels`` (mod 2**bits) where
     ``a < b`` turns that into the residue modulo ``levels``.
     """
     dt = delta_dtype(levels)
+    xp = array_namespace(a, b)
     a, b = a.astype(dt, copy=False), b.astype(dt, copy=False)
-    out = np.subtract(a, b)
-    np.add(out, dt.type(levels % (1 << (8 * dt.itemsize))), out=out, where=a < b)
+    out = xp.subtract(a, b)
+    # levels (mod 2**bits) where a < b, as a product rather than ``add(..., where=)``: CuPy
+    # ufuncs take no ``where``, and numpy's masked loop is ~15x slower than the product
+    out += xp.multiply(a < b, dt.type(levels % (1 << (8 * dt.itemsize))), dtype=dt)
     return out
 
 
-def group_order(prev_ids: np.ndarray) -> np.ndarray:
-    """Stable permutation grouping elements by previous id (numpy's radix sort for ints)."""
-    return np.argsort(prev_ids, kind="stable")
+def group_order(prev_ids: Any) -> Any:
+    """Stable permutation grouping elements by previous id (a radix sort for small ints in
+    numpy; CuPy's argsort is a stable radix sort too, so the permutation is the same)."""
+    return array_namespace(prev_ids).argsort(prev_ids, kind="stable")
 
 
-def regroup(deltas: np.ndarray, prev_ids: np.ndarray) -> np.ndarray:
+def regroup(deltas: Any, prev_ids: Any) -> Any:
     """Permute deltas into previous-id order; an all-zero stream needs no permutation."""
     return deltas[group_order(prev_ids)] if deltas.any() else deltas
 
 
-def ungroup(stream: np.ndarray, prev_ids: np.ndarray) -> np.ndarray:
+def ungroup(stream: Any, prev_ids: Any) -> Any:
     """Inverse of :func:`regroup`, computed from the same base ids."""
     if not stream.any():
         return stream
-    out = np.empty_like(stream)
+    out = array_namespace(stream).empty_like(stream)
     out[group_order(prev_ids)] = stream
     return out
 
 
-def delta_stream(prev_ids: np.ndarray, cur_ids: np.ndarray, levels: int, grouped: bool) -> np.ndarray:
+def delta_stream(prev_ids: Any, cur_ids: Any, levels: int, grouped: bool) -> Any:
     """The symbols the entropy coder sees (everything of encode except the coder)."""
     d = mod_sub(prev_ids, cur_ids, levels)
     return regroup(d, prev_ids) if grouped else d
 
 
-def apply_stream(prev_ids: np.ndarray, stream: np.ndarray, levels: int, grouped: bool) -> np.ndarray:
+def apply_stream(prev_ids: Any, stream: Any, levels: int, grouped: bool) -> Any:
     """Inverse of :func:`delta_stream`: the current ids, in the delta dtype of ``levels``."""
     d = ungroup(stream, prev_ids) if grouped else stream
     return mod_sub(prev_ids, d, levels)

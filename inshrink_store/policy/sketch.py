@@ -10,9 +10,14 @@ equal the sketch of the whole. A histogram has a few thousand buckets however ma
 millions of weights went in, which is what makes the k-means cheap.
 
 Building is vectorised and blockwise (one ``log2`` + ``bincount`` per block of
-``BLOCK`` elements), so temporary memory stays a few MB whatever the tensor size. The
-``xp`` argument takes an array module with numpy's API (numpy by default); only the
-small per-block histograms come back to numpy.
+``BLOCK`` elements), so temporary memory stays a few MB whatever the tensor size. Values
+may be numpy or CuPy arrays (:mod:`inshrink_store.codecs._xp`): on a GPU one fused kernel
+computes the keys and CuPy's ``bincount`` the histogram of each block
+(:func:`inshrink_store.codecs._gpu.sketch_histogram`); only the small per-block histograms
+come back to the host, and both paths turn them into stores with the same code. The keys
+agree bit for bit for every float32, float16 and bfloat16 value whatever the last-ulp
+rounding of either library's ``log2`` (checked exhaustively in
+``tests/test_codecs/test_xp_path.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from inshrink_store.codecs import _gpu
+from inshrink_store.codecs._xp import array_namespace, to_host
 from inshrink_store.errors import FormatError
 
 ALPHA = 0.01
@@ -33,11 +40,6 @@ _Store = tuple[np.ndarray, np.ndarray]
 
 def _empty() -> np.ndarray:
     return np.zeros(0, np.int64)
-
-
-def _host(a: Any) -> np.ndarray:
-    """A numpy array from numpy or an array module with ``.get()`` (CuPy)."""
-    return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
 def _merge_stores(stores: list[_Store]) -> _Store:
@@ -53,8 +55,20 @@ def _merge_stores(stores: list[_Store]) -> _Store:
     return uniq, np.bincount(inverse, weights=counts, minlength=uniq.size).astype(np.int64)
 
 
+def _split_counts(counts: np.ndarray, lo: int) -> tuple[_Store, _Store]:
+    """The positive and negative stores of a histogram over keys ``lo..lo+span-1`` of
+    positive values followed by the same keys of negative values (empty buckets dropped)."""
+    span = counts.size // 2
+    stores = []
+    for part in (counts[:span], counts[span:]):
+        nz = np.flatnonzero(part)
+        stores.append((nz.astype(np.int64) + lo, part[nz]))
+    return stores[0], stores[1]
+
+
 def _block_stores(x: Any, scale: float, xp: Any) -> tuple[_Store, _Store, int]:
-    """Positive store, negative store and zero count of one block of finite values."""
+    """Positive store, negative store and zero count of one block of finite values
+    (array-library generic; a GPU runs the fused :func:`_gpu.sketch_histogram` instead)."""
     # The same float64 arithmetic as abs -> log2 -> *scale -> ceil, done in one buffer
     # (this is the hottest loop of planning: every element of every tensor passes here).
     keys = x.astype(xp.float64)
@@ -73,13 +87,29 @@ def _block_stores(x: Any, scale: float, xp: Any) -> tuple[_Store, _Store, int]:
     lo, hi = int(ikeys.min()), int(ikeys.max())
     span = hi - lo + 1
     ikeys -= lo
-    xp.add(ikeys, span, out=ikeys, where=x < 0)  # negatives in a second key range: one bincount
-    counts = _host(xp.bincount(ikeys, minlength=2 * span)).astype(np.int64)
-    stores = []
-    for part in (counts[:span], counts[span:]):
-        nz = np.flatnonzero(part)
-        stores.append((nz.astype(np.int64) + lo, part[nz]))
-    return stores[0], stores[1], zeros
+    # negatives in a second key range, one bincount; a product, not ``add(..., where=)``:
+    # CuPy ufuncs take no ``where``, and numpy's masked loop is ~4x slower than the product
+    ikeys += xp.multiply(x < 0, span, dtype=xp.int64)
+    counts = to_host(xp.bincount(ikeys, minlength=2 * span)).astype(np.int64)
+    pos, neg = _split_counts(counts, lo)
+    return pos, neg, zeros
+
+
+def _host_block(block: Any, scale: float) -> tuple[_Store, _Store, int, int]:
+    """Stores, zero count and non-finite count of one numpy block."""
+    finite = np.isfinite(block)
+    bad = int(block.size) - int(np.count_nonzero(finite))
+    if bad:
+        block = block[finite]
+    pos, neg, zeros = _block_stores(block, scale, np)
+    return pos, neg, zeros, bad
+
+
+def _device_block(block: Any, scale: float) -> tuple[_Store, _Store, int, int]:
+    """The same for one CuPy block: keys and histogram on the device, stores on the host."""
+    counts, lo, zeros, bad = _gpu.sketch_histogram(block, scale)
+    pos, neg = _split_counts(counts, lo)
+    return pos, neg, zeros, bad
 
 
 @dataclass(frozen=True)
@@ -110,8 +140,12 @@ class LogSketch:
 
     @classmethod
     def from_values(cls, values: Any, alpha: float = ALPHA, *, mask: Any = None,
-                    xp: Any = np) -> LogSketch:
-        """Sketch of ``values`` (any shape); with ``mask``, only where it is true."""
+                    xp: Any = None) -> LogSketch:
+        """Sketch of ``values`` (any shape); with ``mask``, only where it is true.
+
+        ``xp`` is the array module of ``values`` (numpy or CuPy), found from them when None;
+        CuPy values are sketched on their device and equal the host's sketch of them."""
+        xp = array_namespace(values, mask) if xp is None else xp
         x = xp.asarray(values).ravel()
         if mask is not None:
             m = xp.asarray(mask).ravel()
@@ -126,19 +160,16 @@ class LogSketch:
         pos: list[_Store] = []
         neg: list[_Store] = []
         zeros = nonfinite = 0
-        for start in range(0, int(x.size), BLOCK):
-            block = x[start:start + BLOCK]
+        step, sketch_block = (BLOCK, _host_block) if xp is np else (_gpu.BLOCK, _device_block)
+        for start in range(0, int(x.size), step):
+            block = x[start:start + step]
             if mask is not None:
-                block = block[m[start:start + BLOCK]]
-            finite = xp.isfinite(block)
-            bad = int(block.size) - int(xp.count_nonzero(finite))
-            if bad:
-                nonfinite += bad
-                block = block[finite]
-            p, q, z = _block_stores(block, scale, xp)
+                block = block[m[start:start + step]]
+            p, q, z, bad = sketch_block(block, scale)
             pos.append(p)
             neg.append(q)
             zeros += z
+            nonfinite += bad
         (pk, pc), (nk, nc) = _merge_stores(pos), _merge_stores(neg)
         return cls(alpha, pk, pc, nk, nc, zeros, nonfinite)
 
