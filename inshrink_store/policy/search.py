@@ -160,7 +160,8 @@ class Trial:
 class SearchResult:
     """The chosen point (None: nothing feasible), every trial in order, and how it was found:
     ``"full"`` (no previous), ``"neighbourhood"``, ``"budget"`` (stopped when its evaluation
-    budget was spent), or ``"fallback"`` (full search after an
+    budget was spent), ``"embeddings"`` (a second full search with 32 embedding levels after
+    nothing was feasible; see ``SearchPolicy``), or ``"fallback"`` (full search after an
     infeasible neighbourhood)."""
 
     best: SearchPoint | None

@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.allocation import Allocation, AllocationCandidates, AllocationTrial
 from inshrink_store.policy.candidates import KEEP, Candidates
-from inshrink_store.policy.config import DEFAULT_CONFIG, QuantConfig
+from inshrink_store.policy.config import DEFAULT_CONFIG, EMBEDDING_BINS, QuantConfig
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPolicy, MomentRecord
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
@@ -168,9 +168,17 @@ class SearchPolicy:
         slack = self.tolerance * abs(baseline)
         return quality >= baseline - slack if self.higher_is_better else quality <= baseline + slack
 
-    def config(self, point: SearchPoint) -> QuantConfig:
-        """The candidate configuration at ``point``: the base with the point's four axes."""
-        return QuantConfig(**{**self.base.to_dict(), **point.to_dict()})
+    def config(self, point: SearchPoint, base: QuantConfig | None = None) -> QuantConfig:
+        """The candidate configuration at ``point``: the base (``base``, else the policy's) with
+        the point's four axes."""
+        return QuantConfig(**{**(base or self.base).to_dict(), **point.to_dict()})
+
+    def base_after(self, previous: QuantConfig | None) -> QuantConfig:
+        """The base a checkpoint's search starts from: the policy's, with the embedding levels
+        the previous version needed when they were more (see :meth:`decide`)."""
+        if previous is not None and previous.embedding_bins > self.base.embedding_bins:
+            return dataclasses.replace(self.base, embedding_bins=previous.embedding_bins)
+        return self.base
 
     def decide(self, candidates: Candidates, evaluate: Evaluate | None,
                previous: QuantConfig | None = None) -> Decision:
@@ -187,8 +195,12 @@ class SearchPolicy:
             chosen: QuantConfig | None = self.base
         else:
             baseline = float(evaluate(None))
-            result = self._search(candidates, evaluate, baseline, previous)
-            chosen = None if result.best is None else self.config(result.best)
+            base = self.base_after(previous)
+            result = self._search(candidates, evaluate, baseline, previous, base)
+            wider = self._wider_embeddings(candidates, base)
+            if result.best is None and wider is not None:
+                result, base = self._search_again(candidates, evaluate, baseline, result, wider), wider
+            chosen = None if result.best is None else self.config(result.best, base)
         model = candidates.plans(chosen) if chosen is not None else None
         plans, moments = self._with_optimizer(model, candidates)
         record = QuantizationRecord(
@@ -233,16 +245,42 @@ class SearchPolicy:
         return Decision(plans_out, record, moments)
 
     def _search(self, candidates: Candidates, evaluate: Evaluate, baseline: float,
-                previous: QuantConfig | None) -> SearchResult:
+                previous: QuantConfig | None, base: QuantConfig,
+                max_evaluations: int | None = None) -> SearchResult:
         def measure_ratio(point: SearchPoint) -> float:
-            return candidates.ratio(self.config(point))
+            return candidates.ratio(self.config(point, base))
 
         def is_feasible(point: SearchPoint) -> tuple[bool, float]:
-            quality = float(evaluate(candidates.plans(self.config(point))))
+            quality = float(evaluate(candidates.plans(self.config(point, base))))
             return self.within(quality, baseline), quality
 
+        budget = self.max_evaluations if max_evaluations is None else max_evaluations
         return search(measure_ratio, is_feasible, previous=previous, space=self.space,
-                      metrics_available=candidates.metrics_available, max_evaluations=self.max_evaluations)
+                      metrics_available=candidates.metrics_available, max_evaluations=budget)
+
+    def _wider_embeddings(self, candidates: Candidates, base: QuantConfig) -> QuantConfig | None:
+        """``base`` with the most embedding levels (32), when the state has an embedding table
+        and ``base`` gives it fewer; else None.
+
+        Why: the search's axes set the levels of every other tensor, while an embedding table
+        always gets ``base.embedding_bins`` (16). On a fine-tuned language model that table
+        alone cost more than the tolerance, so no point was feasible and every such version
+        was stored lossless (``python -m benchmarks evaluate``, transfer workload: 8 of 24)."""
+        top = max(EMBEDDING_BINS)
+        if base.embedding_bins >= top or not any("embedding" in kind.lower()
+                                                 for kind in candidates.module_kinds.values()):
+            return None
+        return dataclasses.replace(base, embedding_bins=top)
+
+    def _search_again(self, candidates: Candidates, evaluate: Evaluate, baseline: float,
+                      first: SearchResult, wider: QuantConfig) -> SearchResult:
+        """A full search with ``wider`` embeddings after one with nothing feasible, within what
+        is left of the evaluation budget; both searches' trials are kept, mode ``"embeddings"``."""
+        left = None if self.max_evaluations is None else self.max_evaluations - first.evaluations
+        if left is not None and left < 1:
+            return first
+        again = self._search(candidates, evaluate, baseline, None, wider, left)
+        return SearchResult(again.best, [*first.trials, *again.trials], "embeddings")
 
     def _with_optimizer(self, model: PlanSet | None,
                         candidates: Candidates) -> tuple[PlanSet | None, MomentRecord | None]:
