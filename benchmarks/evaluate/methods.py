@@ -60,7 +60,7 @@ def store_versions(repo: Any) -> list[VersionBytes]:
 
 def tree_zstd_ratio(root: Path) -> float:
     """Compressed over raw size of the store's tree documents (each array's zarr.json, stored as
-    indented JSON): what compressing them, which the store does not do, would leave."""
+    compact JSON): what compressing them, which the store does not do, would leave."""
     raw = packed = 0
     for path in sorted((root / "trees").rglob("*")):
         if path.is_file():

@@ -171,7 +171,7 @@ def why(results: dict[str, Any]) -> list[str]:
         + "; ".join(f"{t}: {x(r['history'])} → {x(r['disk'])}" for t, r in d.items())
         + "). It exists for the newest version only, so its share falls as the run gets longer.",
         "- **Per-array documents.** Every version writes, for each array that changed, its zarr.json "
-        "(the codebook, the codec chain, the shape) as indented, uncompressed JSON, about 1–2 KB. On "
+        "(the codebook, the codec chain, the shape) as compact but uncompressed JSON, about 1 KB. On "
         "models of 0.1–0.3 M parameters with ~100 arrays (every Adam moment and step counter is one) that "
         "is " + ", ".join(f"{v:.0%} ({t})" for t, v in meta.items()) + " of the default's stored history (table "
         "below); on a model of 100 M parameters it is noise. The store does not compress them: that, or "
