@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ import inshrink_store as ins
 from inshrink_store.index import CACHE
 
 BUCKET = "inshrink-bench"
+_SERVERS = itertools.count()  # one bucket per server started in this process
 COLUMNS = ("GET", "LIST", "PUT", "HEAD", "DELETE")
 #: dummy credentials: moto accepts anything, and these keep botocore off the host's own
 AWS_ENV = {
@@ -116,8 +118,11 @@ def s3_server() -> Iterator[str]:
             "token": AWS_ENV["AWS_SESSION_TOKEN"],
             "skip_instance_cache": True,
         }
-        fsspec.filesystem("s3").mkdir(BUCKET)
-        yield f"s3://{BUCKET}"
+        # moto keeps its buckets in the process, not the server: a second server in the same run
+        # (run.py starts one per section) would find the first one's bucket and objects
+        bucket = f"{BUCKET}-{next(_SERVERS)}"
+        fsspec.filesystem("s3").mkdir(bucket)
+        yield f"s3://{bucket}"
     finally:
         server.stop()
         werkzeug.setLevel(saved_level)
