@@ -251,3 +251,38 @@ def test_an_allocation_search_bisects_to_the_largest_target_within_tolerance() -
     assert ok == list(ratios[:len(ok)])  # error grows with the target: feasibility is a prefix
     assert decision.record.allocation is not None and decision.record.allocation.target_ratio == max(ok)
     assert decision.plans is not None and quality(decision.plans) >= 0.9
+
+
+@pytest.mark.parametrize("case", ["bf16", "f16", "f64", "nan_inf", "zeros", "constant"])
+@pytest.mark.parametrize("spec", [Allocation(target_ratio=8), Allocation(max_error=0.05)])
+def test_awkward_tensors_save_and_read_back(case: str, spec: Allocation, memory_url: str) -> None:
+    """Every float dtype, NaN/Inf, all-zero and constant tensors: saved, read back in their
+    dtype, non-finite values kept where they were."""
+    from inshrink_store.dtypes import float32_to_bf16
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    dtypes = None
+    if case == "bf16":
+        value, dtypes = float32_to_bf16(w), {"model/w": "BF16"}
+    elif case == "f16":
+        value = w.astype(np.float16)
+    elif case == "f64":
+        value = w.astype(np.float64)
+    elif case == "nan_inf":
+        value = w.copy()
+        value[rng.random(w.shape) < 0.01] = np.nan
+        value[0, :3] = [np.inf, -np.inf, np.nan]
+    elif case == "zeros":
+        value = np.zeros_like(w)
+    else:
+        value = np.full_like(w, 0.5)
+    repo = ins.init(memory_url)
+    info = repo.save({"model/w": value}, dtypes=dtypes, quantize=spec)
+    back = repo.load(info.id)["model/w"]
+    assert back.dtype == value.dtype and back.shape == value.shape
+    if case == "nan_inf":
+        np.testing.assert_array_equal(np.isnan(back), np.isnan(value))
+        np.testing.assert_array_equal(back[np.isinf(value)], value[np.isinf(value)])
+    if case in ("zeros", "constant"):
+        np.testing.assert_array_equal(back, value)
