@@ -610,6 +610,8 @@ def _quantization_summary(raw: Any) -> tuple[str, str]:
         cfg = f"bins={config.bins} prune={config.prune} prune_metric={config.prune_metric} protect={config.protect}"
     search = record.search
     summary = "-" if search is None else f"{search.mode}: {search.evaluations} evaluated of {len(search.trials)} tried"
+    if record.allocation_search is not None:
+        summary = f"target ratio bisection: {len(record.allocation_search)} evaluated"
     return cfg, summary
 
 

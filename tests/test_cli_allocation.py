@@ -70,3 +70,18 @@ def test_bad_allocation_options_are_usage_errors(checkpoint: Path, tmp_path: Pat
     assert result.exit_code == 2, result.output
     assert needle in " ".join(result.output.replace("│", " ").split())  # unwrap the box
     assert not Path(url).exists()  # nothing was created
+
+
+def test_log_summarises_an_allocation_search(tmp_path: Path) -> None:
+    """A version stored by a search over target ratios says so in `inshrink log`."""
+    from inshrink_store.policy import Candidates, SearchPolicy
+
+    url = str(tmp_path / "s")
+    rng = np.random.default_rng(1)
+    state = {"model/w": rng.standard_normal((256, 64)).astype(np.float32)}
+    policy = SearchPolicy(tolerance=0.5, allocation_ratios=(2, 4, 8), optimizer=None)
+    decision = policy.decide(Candidates(state, {"model/w": "F32"}, {}), lambda plans: 1.0)
+    repo = ins.open(url, create=True)
+    repo.save(state, quantize=decision.plans, metadata={"quantization": decision.record.to_dict()})
+    table = " ".join(run("log", url).stdout.replace("│", " ").split())
+    assert "target ratio bisection" in table and "target_ratio=8" in table
