@@ -3,7 +3,8 @@ tests/fixtures/, must read back exactly as they did when they were written.
 
 ``store-objects-v1`` was written by the release before object format 2 (its objects have
 the body-only checksum), ``store-objects-v2`` by the release before packed level ids (object
-coder 2), ``store-objects-v3`` by the current one (a keyframe with packed ids); all by
+coder 2), ``store-objects-v3`` by the release before compressed trees (a keyframe with packed
+ids), ``store-objects-v4`` by the current one (trees stored as zstd frames); all by
 ``tests/fixtures/make_store.py``. ``expected.json`` holds a hash of every tensor of every
 version as first read, so any change in how old bytes decode fails here.
 """
@@ -74,3 +75,11 @@ def test_the_newest_fixture_holds_a_packed_keyframe() -> None:
     root = FIXTURES / "store-objects-v3" / "objects"
     coders = {cas.parse_header(p.parent.name + p.name, p.read_bytes()).coder for p in root.rglob("*") if p.is_file()}
     assert cas.CODER_PACKED_ZSTD in coders
+
+
+def test_the_newest_fixture_holds_compressed_trees() -> None:
+    """The fixture guards compressed trees only if its trees really are zstd frames."""
+    from inshrink_store.manifest import ZSTD_MAGIC
+
+    trees = [p.read_bytes() for p in (FIXTURES / "store-objects-v4" / "trees").rglob("*") if p.is_file()]
+    assert trees and all(t[:4] == ZSTD_MAGIC for t in trees)

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from inshrink_store.manifest import (
     canonical_json,
     check_commit_fields,
     content_id,
+    pack_tree,
 )
 from tests.test_fuzz._hostile import FAST, JSON, SLOW, bounded, mutate, mutate_bytes
 
@@ -30,6 +32,11 @@ GOOD = {
     NodeTree: NodeTree('{"node_type": "array"}', {"c/0/0": ID, "c/1/0": ID}).to_bytes(),
 }
 KINDS = list(GOOD)
+
+
+def _plain(stored: bytes) -> bytes:
+    """A stored document's JSON (trees are stored as a zstd frame of it)."""
+    return zstandard.decompress(stored) if stored[:4] == b"\x28\xb5\x2f\xfd" else stored
 
 
 def _parse(kind: type, data: bytes) -> None:
@@ -45,12 +52,14 @@ def _parse(kind: type, data: bytes) -> None:
 
 def _mutated_document(data: st.DataObject) -> None:
     kind = data.draw(st.sampled_from(KINDS), label="kind")
-    doc = mutate(json.loads(GOOD[kind]), data)
+    doc = mutate(json.loads(_plain(GOOD[kind])), data)
     try:
         raw = canonical_json(doc)
     except ValueError:  # the drawn value held a float JSON cannot carry
         return
-    _parse(kind, raw)
+    _parse(kind, raw)  # as a tree written before trees were compressed, or a snapshot
+    if kind is not Snapshot:
+        _parse(kind, pack_tree(raw))  # as a tree is stored now
 
 
 def _mutated_bytes(data: st.DataObject) -> None:

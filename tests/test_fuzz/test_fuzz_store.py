@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zstandard
 from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given
 from hypothesis import strategies as st
 
 import inshrink_store as ins
 from inshrink_store import cas
-from inshrink_store.manifest import canonical_json, content_id
+from inshrink_store.manifest import ZSTD_MAGIC, canonical_json, content_id, pack_tree
 from inshrink_store.policy import QuantConfig
 from inshrink_store.storage import Storage
 from inshrink_store.zarr_store import tree_path
@@ -53,7 +54,8 @@ FILES, HEAD = _build()
 
 
 def _doc(path: str) -> Any:
-    return json.loads(FILES[path])
+    raw = FILES[path]  # trees are stored as a zstd frame of their JSON
+    return json.loads(zstandard.decompress(raw) if raw[:4] == ZSTD_MAGIC else raw)
 
 
 def _write_doc(files: dict[str, bytes], folder: str, raw: bytes) -> str:
@@ -70,6 +72,12 @@ def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
     target = data.draw(st.sampled_from(["snapshot", "root", "node", "zarr.json", "object", "ref"]),
                        label="target")
     as_bytes = data.draw(st.booleans(), label="byte-level")
+
+    packed = data.draw(st.booleans(), label="tree documents packed as stored now")
+
+    def tree(doc_bytes: bytes) -> bytes:
+        """A tree document as the store writes it now (zstd) or did before (plain JSON)."""
+        return pack_tree(doc_bytes) if packed and doc_bytes[:4] != ZSTD_MAGIC else doc_bytes
 
     def changed(doc: Any, raw: bytes) -> bytes:
         if as_bytes:
@@ -95,7 +103,7 @@ def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
     if target == "snapshot":
         return files, _write_doc(files, "snapshots", changed(snap, FILES[f"snapshots/{HEAD}"]))
     if target == "root":
-        snap["root"] = _write_doc(files, "trees", changed(root, FILES[tree_path(snap["root"])]))
+        snap["root"] = _write_doc(files, "trees", tree(changed(root, FILES[tree_path(snap["root"])])))
     else:
         path = data.draw(st.sampled_from(sorted(root["nodes"])), label="node")
         node = _doc(tree_path(root["nodes"][path]))
@@ -105,8 +113,8 @@ def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
             raw = canonical_json(node)
         else:
             raw = changed(node, FILES[tree_path(root["nodes"][path])])
-        root["nodes"][path] = _write_doc(files, "trees", raw)
-        snap["root"] = _write_doc(files, "trees", canonical_json(root))
+        root["nodes"][path] = _write_doc(files, "trees", tree(raw))
+        snap["root"] = _write_doc(files, "trees", tree(canonical_json(root)))
     return files, _write_doc(files, "snapshots", canonical_json(snap))
 
 
