@@ -41,7 +41,7 @@ class Usage:
     settings: list[str] = field(default_factory=list)
     background_s: float = 0.0
     exact_resumes: int = 0
-    metadata_zstd: float = 1.0  # what zstd-3 would leave of the store's per-array documents
+    metadata_zstd: float = 1.0  # what another zstd pass would leave of the per-array documents
 
 
 def store_versions(repo: Any) -> list[VersionBytes]:
@@ -59,8 +59,8 @@ def store_versions(repo: Any) -> list[VersionBytes]:
 
 
 def tree_zstd_ratio(root: Path) -> float:
-    """Compressed over raw size of the store's tree documents (each array's zarr.json, stored as
-    compact JSON): what compressing them, which the store does not do, would leave."""
+    """Compressed over stored size of the store's tree documents (each array's zarr.json): what a
+    second zstd pass would still leave (about 1 now that trees are stored as zstd frames)."""
     raw = packed = 0
     for path in sorted((root / "trees").rglob("*")):
         if path.is_file():

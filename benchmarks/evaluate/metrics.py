@@ -32,13 +32,6 @@ def metadata_share(usage: dict[str, Any]) -> float:
     return _sum(usage, "stored_metadata") / max(_sum(usage, "stored"), 1)
 
 
-def disk_ratio_packed_metadata(usage: dict[str, Any]) -> float:
-    """The on-disk ratio had the store zstd-compressed its per-array documents."""
-    meta = _sum(usage, "stored_metadata")
-    stored = _sum(usage, "stored") - meta + meta * usage.get("metadata_zstd", 1.0) + usage.get("residual", 0)
-    return _sum(usage, "logical") / max(stored, 1)
-
-
 def per_version(usage: dict[str, Any], weights: bool) -> list[tuple[int, float]]:
     """(step, ratio of that version's new bytes) - deltas and dedup show here."""
     logical, stored = ("logical_weights", "stored_weights") if weights else ("logical", "stored")

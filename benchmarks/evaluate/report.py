@@ -123,10 +123,10 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 
 def bytes_table(results: dict[str, Any]) -> list[str]:
-    """Where the default store's bytes go, and what compressing its documents would give."""
+    """Where the default store's bytes go."""
     lines = ["| workload | weights | Adam moments and counters | per-array documents (metadata) | "
-             "restore residual | whole state on disk | with the documents zstd-compressed |",
-             "|---|---|---|---|---|---|---|"]
+             "restore residual | whole state on disk |",
+             "|---|---|---|---|---|---|"]
     for name, work in results["workloads"].items():
         usage = results["runs"][name]["ours"]["usage"]
         total = sum(v["stored"] for v in usage["versions"]) + usage["residual"]
@@ -134,8 +134,7 @@ def bytes_table(results: dict[str, Any]) -> list[str]:
         meta = sum(v["stored_metadata"] for v in usage["versions"])
         rest = total - usage["residual"] - weights - meta
         shares = [f"{n / total:.0%}" for n in (weights, rest, meta, usage["residual"])]
-        lines.append(f"| {work['title']} | " + " | ".join(shares) + f" | {x(metrics.ratios(usage)['disk'])} | "
-                     f"{x(metrics.disk_ratio_packed_metadata(usage))} |")
+        lines.append(f"| {work['title']} | " + " | ".join(shares) + f" | {x(metrics.ratios(usage)['disk'])} |")
     return lines
 
 
@@ -171,11 +170,11 @@ def why(results: dict[str, Any]) -> list[str]:
         + "; ".join(f"{t}: {x(r['history'])} → {x(r['disk'])}" for t, r in d.items())
         + "). It exists for the newest version only, so its share falls as the run gets longer.",
         "- **Per-array documents.** Every version writes, for each array that changed, its zarr.json "
-        "(the codebook, the codec chain, the shape) as compact but uncompressed JSON, about 1 KB. On "
+        "(the codebook, the codec chain, the shape) in a tree document, compact JSON stored as a zstd frame. On "
         "models of 0.1–0.3 M parameters with ~100 arrays (every Adam moment and step counter is one) that "
         "is " + ", ".join(f"{v:.0%} ({t})" for t, v in meta.items()) + " of the default's stored history (table "
-        "below); on a model of 100 M parameters it is noise. The store does not compress them: that, or "
-        "fewer arrays for the small tensors, is what would lift these whole-state figures.",
+        "below); on a model of 100 M parameters it is noise. Fewer arrays for the small tensors (one per "
+        "Adam moment and step counter today) is what would lift these whole-state figures further.",
         "- **Small tensors and moments.** Tensors under 4096 elements (biases, norms, the LM's position "
         "table) stay lossless; Adam's two moments are two thirds of the state and are guarded by the "
         "update they drive, so they compress less than the weights.",
@@ -354,8 +353,7 @@ def page(results: dict[str, Any], command: str, wall_s: float, images: str) -> s
         "",
         *why(results),
         "",
-        "Where the default store's bytes go (share of everything the run left on disk), and the "
-        "whole-state ratio if the per-array documents were zstd-compressed:",
+        "Where the default store's bytes go (share of everything the run left on disk):",
         "",
         *bytes_table(results),
         "",
