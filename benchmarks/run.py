@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -46,31 +45,9 @@ import bench_scaling  # noqa: E402
 import bench_stages  # noqa: E402
 import bench_store  # noqa: E402
 import bench_training  # noqa: E402
+import machine_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    import numpy
-    import torch
-    import zarr
-
-    return (f"{cpu}, {os.cpu_count()} cores{mem}, no GPU; Python {platform.python_version()}, "
-            f"numpy {numpy.__version__}, zarr {zarr.__version__}, torch {torch.__version__}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan'):.1f} when it ended; "
         f"{os.cpu_count()} means both cores busy).",
         "",
-        f"Machine: {machine()}. The machine is shared, so treat speeds as within ±30 %; "
+        f"Machine: {machine_info.describe()}. The machine is shared, so treat speeds as within ±30 %; "
         "ratios and errors are exact and reproducible (every input is seeded).",
         "",
         *sections,

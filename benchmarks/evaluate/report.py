@@ -8,12 +8,11 @@ not).
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import re
 from pathlib import Path
 from typing import Any
 
+from benchmarks import machine_info
 from benchmarks.evaluate import metrics, plots
 from benchmarks.evaluate.plan import ABLATIONS, MAIN
 
@@ -29,21 +28,8 @@ def pct(value: float) -> str:
 
 
 def machine() -> str:
-    """CPU model, cores, memory, and the versions that matter (as benchmarks/run.py prints)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem = f", {int(Path('/proc/meminfo').read_text().split()[1]) / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        mem = ""
-    import numpy
-    import torch
-
-    return (f"{cpu}, {os.cpu_count()} cores{mem}, no GPU; Python {platform.python_version()}, "
-            f"numpy {numpy.__version__}, torch {torch.__version__}")
+    """CPU model, cores, memory, and the versions that matter (the line benchmarks/run.py prints)."""
+    return machine_info.describe(("numpy", "torch"))
 
 
 # -- tables -------------------------------------------------------------------------------------------
