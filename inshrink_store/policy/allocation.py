@@ -196,14 +196,14 @@ class AllocationPlanner:
         def price(path: str) -> list[Option]:
             t = inputs[path]
             w = np.ascontiguousarray(t.values, np.float32)
-            rest = ~protected_mask(w, t.sensitivity, spec.protect)
+            protected = protected_mask(w, t.sensitivity, spec.protect)
             # the same key quantize_tensor uses for the rest of an unpruned tensor: fitted once
             sketch = self.cache.sketch((path, spec.protect, None, None),
-                                       lambda: LogSketch.from_values(w, mask=rest))
+                                       lambda: LogSketch.from_values(w, mask=~protected))
             return tensor_options(w, dtype=str(t.dtype), protect=spec.protect,
                                   protected_dtype=spec.protected_dtype, sensitivity=t.sensitivity,
                                   ladder=spec.levels, lossless_bytes=estimator.lossless_bytes_of(path),
-                                  sketch=sketch)
+                                  sketch=sketch, protected=protected)
 
         priced = map_in_order(price, paths, write_threads(), "inshrink-allocate")
         return inputs, dict(zip(paths, priced, strict=True)), estimator, scope

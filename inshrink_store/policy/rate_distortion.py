@@ -89,18 +89,18 @@ def _protected_error(values: np.ndarray, protected: np.ndarray, dtype: str, prot
 def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0.005,
                    protected_dtype: str = "bfloat16", sensitivity: np.ndarray | None = None,
                    ladder: Sequence[int] = LADDER, lossless_bytes: float | None = None,
-                   sketch: LogSketch | None = None) -> list[Option]:
+                   sketch: LogSketch | None = None, protected: np.ndarray | None = None) -> list[Option]:
     """Every option for one tensor (float32 ``values`` of logical ``dtype``), cheapest first.
 
     ``protect``: the fraction kept whole by magnitude (and by ``sensitivity`` when given), as
     a save protects them; ``lossless_bytes``: what the tensor costs lossless (adds that
-    option; None leaves it out); ``sketch``: the sketch of the unprotected values when the
-    caller has it (it is the costly part)."""
+    option; None leaves it out); ``sketch`` and ``protected``: the sketch of the unprotected
+    values and the protected mask, when the caller made them already (the costly parts)."""
     w = np.ascontiguousarray(values, np.float32)
     if w.size == 0:
         raise FormatError("Expected a non-empty tensor to price. Got an empty one instead.")
     flat = w.ravel()
-    protected = protected_mask(w, sensitivity, protect).ravel()
+    protected = (protected_mask(w, sensitivity, protect) if protected is None else protected).ravel()
     finite = flat[np.isfinite(flat)].astype(np.float64)
     norm = sum_of_products(finite, finite)
     if sketch is None:
