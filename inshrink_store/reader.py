@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import zarr
 
-from inshrink_store import dtypes
+from inshrink_store import dtypes, whole_read
 from inshrink_store.dtypes import bf16_to_float32  # noqa: F401 - re-exported
 from inshrink_store.errors import InshrinkError, IntegrityError, NotFoundError
 from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exported
@@ -29,6 +29,7 @@ from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exporte
     SnapshotIndex,
 )
 from inshrink_store.parallel import map_in_order
+from inshrink_store.whole_read import WholeArray
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 
 #: the most bytes one chunk may decode to per stored byte of its object (the writer's worst
@@ -58,6 +59,7 @@ class SnapshotReader:
         self.view = view
         self.index: SnapshotIndex = view.index
         self.store = InshrinkStore(view, read_only=True)
+        self._whole: dict[str, WholeArray | None] = {}
 
     def __repr__(self) -> str:
         return f"SnapshotReader({self.id[:12]}, {len(self.arrays())} tensors)"
@@ -140,10 +142,30 @@ class SnapshotReader:
         path = self.resolve_name(name)
         info = self._info(path)
         self._check_backing(info)
+        whole = self._whole_plan(path)
+        if whole is not None:
+            return self._zarr(f"tensor {path!r}", lambda: whole.read(
+                lambda key: self.view.get(f"{path}/{key}"), self._map_chunks))
         array = self[path]
         if math.prod(info.shape) == 0:
             return np.zeros(info.shape, dtype=array.dtype)
         return self._zarr(f"tensor {path!r}", lambda: np.asarray(array[...]))
+
+    def _whole_plan(self, path: str) -> WholeArray | None:
+        """How to read array ``path`` whole without zarr's event loop (None: through zarr),
+        from its zarr.json (parsed once per reader)."""
+        if path not in self._whole:
+            doc = self.view.get(f"{path}/{METADATA_KEY}")
+            found = None if doc is None else self._zarr(f"tensor {path!r}", lambda: whole_read.plan(doc))
+            self._whole[path] = found
+        return self._whole[path]
+
+    def _map_chunks(self, fn: Callable[[Any], np.ndarray], items: Sequence[Any]) -> list[np.ndarray]:
+        """Decode the chunks of one array: on the cores of a local disk, or several requests
+        at once on an object store."""
+        storage = self.view.objects.storage
+        local = storage.is_local or storage.protocol == "memory"
+        return map_in_order(fn, items, (os.cpu_count() or 1) if local else _PARALLEL_READS, "inshrink-chunks")
 
     def _check_backing(self, info: ArrayInfo) -> None:
         if max(info.logical_bytes, info.chunk_bytes) <= SPARSE_LIMIT:
@@ -151,8 +173,11 @@ class SnapshotReader:
         need = -(-info.chunk_bytes // MAX_CHUNK_EXPANSION)  # stored bytes one chunk needs
         oids = sorted({oid for key, oid in info.chunk_ids.items() if key != METADATA_KEY})
         objects = self.view.objects
-        with ThreadPoolExecutor(_PARALLEL_SIZES) as pool:
-            sizes = dict(zip(oids, pool.map(objects.stored_size, oids), strict=True))
+        if len(oids) == 1:  # most tensors: one chunk, no pool to start
+            sizes = {oids[0]: objects.stored_size(oids[0])}
+        else:
+            with ThreadPoolExecutor(_PARALLEL_SIZES) as pool:
+                sizes = dict(zip(oids, pool.map(objects.stored_size, oids), strict=True))
         for key, oid in sorted(info.chunk_ids.items()):
             if key != METADATA_KEY and sizes[oid] < need:
                 raise IntegrityError(

@@ -3,8 +3,9 @@
 A zstd frame may declare its content size, and ``ZstdDecompressor().decompress``
 allocates that much up front (a corrupt or hostile frame declaring 10**18 bytes is a
 ``MemoryError``; a huge ``max_output_size`` an ``OverflowError``). Here the declared
-size is checked against the caller's limit first, then the frame is decompressed in
-1 MiB steps that stop as soon as the output passes the limit.
+size is checked against the caller's limit first; a frame that declares a size within
+it is decompressed in one call (zstd checks the real size against the declared one), a
+frame that declares none in 1 MiB steps that stop as soon as the output passes the limit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ def decompress(body: bytes | memoryview, limit: int, what: str) -> bytes:
             f"Expected {what} to declare at most {limit} bytes of content. "
             f"Got {declared} instead (corrupt or hostile frame)."
         )
+    if declared != zstandard.CONTENTSIZE_UNKNOWN:
+        # the frame declares its size (every frame the store writes does) and it is within
+        # the limit: one allocation of that size, and zstd fails a frame whose real content
+        # differs from what it declares
+        try:
+            return zstandard.ZstdDecompressor().decompress(body)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"Expected {what} to be a valid zstd frame. Got {exc} instead.") from None
     parts: list[bytes] = []
     total = 0
     try:

@@ -32,9 +32,13 @@ def atomic_write(full: str, data: bytes, *, exclusive: bool) -> None:
     """Write ``data`` to ``full`` atomically; with ``exclusive``, ``FileExistsError`` if
     ``full`` exists (decided by the filesystem, so two racing writers cannot both win)."""
     directory = os.path.dirname(full)
-    os.makedirs(directory, exist_ok=True)
     tmp = f"{full}{TEMP_MARKER}{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
+    try:  # the folder nearly always exists: try first, create it only when missing
+        f = open(tmp, "wb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        os.makedirs(directory, exist_ok=True)
+        f = open(tmp, "wb")  # noqa: SIM115
+    with f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from inshrink_store.errors import IntegrityError
 from inshrink_store.layout import is_temp
@@ -16,19 +17,34 @@ class LocalStorage(Storage):
 
     is_local = True
 
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url, storage_options)
+        self._checked_folders: set[str] = set()
+        self._real_root: str | None = None
+
     def _inside(self, full: str) -> None:
         """Refuse a folder that a symlink leads out of the store's root.
 
         Every path we build is relative and checked, but the folders on disk are not ours
         alone: ``objects/ab -> /etc`` would make a write land outside the store."""
-        directory = os.path.realpath(os.path.dirname(full))
-        root = os.path.realpath(self.root or ".")
+        folder = os.path.dirname(full)
+        if folder in self._checked_folders:
+            return
+        directory = os.path.realpath(folder)
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self.root or ".")
+        root = self._real_root
         if directory != root and not directory.startswith(root.rstrip(os.sep) + os.sep):
             raise IntegrityError(
                 f"Expected {os.path.dirname(full)!r} to be a folder inside the store {self.url!r}. "
                 f"Got a symlink that leads to {directory!r} instead; nothing was written there. "
                 "Remove the link (stores never create links)."
             )
+        # a folder found inside once is trusted for this handle's life: a restore reads
+        # hundreds of objects from the same 256 folders, and resolving each path costs
+        # several system calls (a link planted *after* the check is a live attacker on the
+        # disk, which no check at open time stops either)
+        self._checked_folders.add(folder)
 
     def read(self, path: str) -> bytes:
         full = self._full(path)
@@ -45,8 +61,9 @@ class LocalStorage(Storage):
     def _write(self, path: str, data: bytes, exclusive: bool) -> None:
         full = self._full(path)
         with self._wrapped("write", path):
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            self._inside(full)
+            if os.path.dirname(full) not in self._checked_folders:  # a folder new to this handle
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                self._inside(full)
             atomic_write(full, data, exclusive=exclusive)
 
     def write(self, path: str, data: bytes) -> None:

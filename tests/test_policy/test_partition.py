@@ -258,3 +258,28 @@ def test_partition_cache_changes_nothing(seed: int, prune: float, protect: float
             assert q.codebook == alone[name].codebook
             assert q.values.tobytes() == alone[name].values.tobytes()
             assert q.stats == alone[name].stats
+
+
+def _error_stats_float64(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
+    """The reference: every element widened to float64 first, non-finite inputs dropped."""
+    fin = np.isfinite(w)
+    a, d = w[fin].astype(np.float64), w[fin].astype(np.float64) - out[fin]
+    den = float(a @ a)
+    return (float(np.sqrt(float(d @ d) / den)) if den > 0 else 0.0), float(np.abs(d).max(initial=0.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=0, max_size=64),
+       st.integers(0, 2**31 - 1))
+def test_error_stats_match_a_float64_reference(values: list[float], seed: int) -> None:
+    from inshrink_store.policy.partition import _error_stats
+
+    w = np.array(values, np.float32)
+    rng = np.random.default_rng(seed)
+    out = np.where(np.isfinite(w), (w * rng.uniform(-1.0, 1.0, w.size)).astype(np.float32), w)
+    with np.errstate(over="ignore"):
+        rel, peak = _error_stats(w, out)
+        ref_rel, ref_peak = _error_stats_float64(w, out)
+    assert peak == pytest.approx(ref_peak, rel=1e-6)
+    if np.isfinite(ref_rel):
+        assert rel == pytest.approx(ref_rel, rel=1e-6, abs=1e-12)
