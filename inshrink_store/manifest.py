@@ -10,6 +10,7 @@ id from version to version and a diff can skip it without reading a chunk.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import numbers
@@ -165,6 +166,12 @@ class NodeTree:
     chunks: Mapping[str, str] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
+        return self._stored
+
+    @functools.cached_property
+    def _stored(self) -> bytes:
+        """The stored form, made once: a commit hashes a tree (its id) and then writes it,
+        and packing is a zstd pass at a high level. A tree is immutable once built."""
         return pack_tree(canonical_json(
             {"format": FORMAT_VERSION, "metadata": self.metadata, "chunks": dict(self.chunks)}
         ))
