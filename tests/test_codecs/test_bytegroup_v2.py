@@ -136,6 +136,37 @@ def test_rank_packing_is_its_own_inverse_for_every_width_and_length():
     assert _planes.pack_ranks(np.array([1, 2, 3], np.uint8), 4).tolist() == [0x21, 0x03]  # first low
 
 
+@settings(max_examples=60, deadline=None)
+@given(itemsize=st.sampled_from([2, 4]), n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1),
+       offset=st.integers(0, 3))
+def test_the_fused_plane_split_gives_the_planes_of_sign_last_then_split(itemsize, n, seed, offset):
+    """byte_planes (one shift and one narrowing cast per plane) is the two-step definition
+    byte for byte, rotated or not, on any bit pattern and on an unaligned buffer."""
+    raw = np.random.default_rng(seed).integers(0, 256, n * itemsize + offset).astype(np.uint8)
+    data = raw[offset:]
+    for rotate in (False, True):
+        expected = bg.split_planes(bg.sign_last(data, itemsize) if rotate else data, itemsize)
+        got = bg.byte_planes(data, itemsize, rotate)
+        assert [bits(p) for p in got] == [bits(p) for p in expected]
+        assert all(p.dtype == np.uint8 and p.flags.c_contiguous for p in got)
+
+
+def test_the_pair_lookup_is_a_lookup_per_byte_on_either_side_of_its_threshold():
+    rng = np.random.default_rng(6)
+    table = rng.permutation(256).astype(np.uint8)
+    edge = _planes.PAIR_LOOKUP_MIN
+    for n in (0, 1, 2, 3, edge - 1, edge, edge + 1, 3 * edge + 7):
+        data = rng.integers(0, 256, n + 1).astype(np.uint8)[1:]  # odd start: unaligned byte pairs
+        assert bits(_planes.lookup(table, data)) == bits(np.take(table, data))
+
+
+def test_a_raw_stream_body_is_the_plane_itself_and_encode_stream_still_gives_bytes():
+    data = np.random.default_rng(7).integers(0, 256, 200_000).astype(np.uint8)  # nothing shrinks it
+    coder, body = _planes.stream_body(data, 1, packable=True)
+    assert coder == _planes.RAW and isinstance(body, np.ndarray) and np.shares_memory(body, data)
+    assert _planes.encode_stream(data, 1, packable=True) == (_planes.RAW, data.tobytes())
+
+
 @pytest.mark.parametrize("field,offset,value", [
     ("packed width", 0, b"\x03"), ("table size", 1, b"\x00"), ("packed coder", 2, b"\x09"),
     ("packed length", 3, (10**9).to_bytes(8, "little")), ("escape count", 12, (10**9).to_bytes(8, "little")),

@@ -2,12 +2,15 @@
 
 float32, float16 and bfloat16 (uint16 bits declared ``BF16``) are saved through
 ``repo.save`` and checked out again; their zarr.json names the codec, and the chunk
-objects do not depend on zarr's concurrency settings.
+objects do not depend on zarr's concurrency settings, on the writer's thread count, or
+on whether the writer encodes the chunks itself or through zarr's codec pipeline.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
+from inshrink_store import writer
 from inshrink_store.testing import float_arrays
+from inshrink_store.zarr_store import PendingChunks
 
 LOGICAL = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -87,3 +92,80 @@ def test_the_ratio_estimate_is_what_the_store_keeps(memory_url: str, seed: int) 
     objects = reader.view.objects
     kept = sum(len(objects.get(oid)) for key, oid in reader.arrays()["t"].chunk_ids.items() if key != "zarr.json")
     assert lossless_bytes(w, "BF16") == kept
+
+
+def _layouts() -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Float tensors in every layout the writer meets: several chunks with a partial edge
+    chunk, transposed, Fortran-ordered and strided views, 0-d, empty, 3-d, all three
+    float dtypes, next to a Blosc tensor."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((1100, 1030)) * 0.02).astype(np.float32)  # 4.5 MB: two chunks, the last partial
+    state: dict[str, np.ndarray] = {
+        "w/c_order": x, "w/transposed": x.T, "w/fortran": np.asfortranarray(x[:300, :200]),
+        "w/strided": x[::2, ::3], "w/scalar": np.array(1.5, np.float32), "w/empty": np.zeros((0, 4), np.float32),
+        "w/f16": x[:900].astype(np.float16), "w/bf16": ins.dtypes.float32_to_bf16(x[::2]),
+        "w/three_d": rng.standard_normal((3, 500, 900)).astype(np.float32),
+        "w/long": rng.standard_normal((1 << 21) + 12345).astype(np.float32),
+        "w/ints": rng.integers(0, 100, (1000, 3)).astype(np.int32),
+    }
+    return state, {"w/bf16": "BF16"}
+
+
+def test_the_writer_stores_what_zarrs_codec_pipeline_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state, declared = _layouts()
+    submitted: list[str] = []
+    submit = writer._ChunkPipeline.submit
+
+    def spy(self: writer._ChunkPipeline, path: str, *args: object, **kwargs: object) -> None:
+        submitted.append(path)
+        submit(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer._ChunkPipeline, "submit", spy)
+    direct = ins.open(str(tmp_path / "direct"), create=True).save(state, dtypes=declared)
+    assert sorted(submitted) == sorted(p for p in state if p not in ("w/empty", "w/ints"))
+    monkeypatch.setattr(writer, "_direct_codec", lambda *args: None)  # every chunk through zarr
+    repo = ins.open(str(tmp_path / "zarr"), create=True)
+    via_zarr = repo.save(state, dtypes=declared)
+    assert direct.root == via_zarr.root  # same trees: same zarr.json documents and chunk ids
+    loaded = repo.load()
+    assert all(_bits(loaded[k]) == _bits(v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_the_thread_count_changes_no_stored_byte(memory_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                  threads: str) -> None:
+    state, declared = _layouts()
+    default = ins.open(memory_url, create=True).save(state, dtypes=declared, branch="default")
+    monkeypatch.setenv("INSHRINK_WRITE_THREADS", threads)
+    other = ins.open(memory_url + "-other", create=True).save(state, dtypes=declared)
+    assert other.root == default.root
+
+
+def test_progress_hears_each_tensor_once_after_its_chunks_are_stored(memory_url: str) -> None:
+    state, declared = _layouts()
+    heard: list[tuple[str, int, int]] = []
+    repo = ins.open(memory_url, create=True)
+    info = repo.save(state, dtypes=declared, progress=lambda path, done, total: heard.append((path, done, total)))
+    assert sorted(p for p, _, _ in heard) == sorted(state)
+    assert [(d, t) for _, d, t in heard] == [(i + 1, len(state)) for i in range(len(state))]
+    assert info.root == repo.log()[0].root
+
+
+def test_a_failed_chunk_put_fails_the_save_after_every_chunk_ended(local_url: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    state, declared = _layouts()
+    put = PendingChunks.put
+
+    def failing(self: PendingChunks, key: str, value: bytes) -> None:
+        if key in ("w/c_order/c/1/0", "w/three_d/c/2/0/0"):
+            raise OSError(f"disk full at {key}")
+        put(self, key, value)
+
+    monkeypatch.setattr(PendingChunks, "put", failing)
+    repo = ins.open(local_url, create=True)
+    with pytest.raises(OSError, match="w/c_order/c/1/0"):  # the first failure in path order
+        repo.save(state, dtypes=declared)
+    assert not any(t.name.startswith(("inshrink-encode", "inshrink-put")) for t in threading.enumerate())
+    assert not repo.branches()  # nothing committed
+    monkeypatch.setattr(PendingChunks, "put", put)
+    assert _bits(repo.load(repo.save(state, dtypes=declared).id)["w/c_order"]) == _bits(state["w/c_order"])
