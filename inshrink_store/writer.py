@@ -33,10 +33,13 @@ import numpy as np
 import xxhash
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec
+from zarr.core.array_spec import ArrayConfig
+from zarr.core.buffer import default_buffer_prototype
 
 from inshrink_store import dtypes
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec, carrier
+from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.index import ATTR, SnapshotIndex
 from inshrink_store.parallel import map_in_order
@@ -143,20 +146,42 @@ def _create_metadata(store: Any, path: str | None, data: np.ndarray, codecs: Map
 PUT_THREADS = 8
 
 
-def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any]) -> ByteGroupZarrCodec | None:
-    """The bytegroup codec when ``data``'s chunks may skip zarr's codec pipeline (see
-    :class:`_ChunkPipeline`): a write session's store, zarr's ``bytes`` serializer and the
-    bytegroup codec alone, elements already in its little-endian carrier; else None."""
+#: encodes one chunk, given its elements' C-order bytes, to the bytes zarr's pipeline would store
+ChunkEncoder = Callable[[np.ndarray], bytes]
+
+
+def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: zarr.Array | None = None,
+                  ) -> ChunkEncoder | None:
+    """How ``data``'s chunks may skip zarr's codec pipeline (see :class:`_ChunkPipeline`), or
+    None: a write session's store and one of the two chains the writer itself picks, with
+    elements already in the codec's little-endian carrier:
+
+    - zarr's ``bytes`` serializer and the bytegroup codec alone (lossless floats);
+    - the ``inshrink.nuq`` serializer and no compressor (quantized tensors): the quantizer
+      the codec itself would use for the array ``z`` (needed for this chain), its
+      :meth:`~inshrink_store.codecs.nuq.Quantizer.encode_array` on the chunk's elements,
+      as ``NUQZarrCodec``'s zarr encode calls it."""
     compressors: Sequence[Any] = codecs.get("compressors") or ()
+    serializer = codecs.get("serializer")
     if (
         not isinstance(store, InshrinkStore) or not isinstance(store.view, PendingChunks)
-        or set(codecs) != {"serializer", "compressors"} or len(compressors) != 1
-        or not isinstance(compressors[0], ByteGroupZarrCodec)
-        or not isinstance(codecs["serializer"], BytesCodec) or not data.size
+        or set(codecs) != {"serializer", "compressors"} or not data.size
     ):
         return None
-    codec = compressors[0]
-    return codec if data.dtype == carrier(codec.dtype) else None  # '>f4' goes through zarr's byte swap
+    if isinstance(serializer, BytesCodec) and len(compressors) == 1 and isinstance(compressors[0], ByteGroupZarrCodec):
+        codec = compressors[0]
+        return codec.encode_bytes if data.dtype == carrier(codec.dtype) else None  # '>f4': zarr's byte swap
+    if isinstance(serializer, NUQZarrCodec) and not compressors and z is not None:
+        spec = z.metadata.get_chunk_spec((0,) * data.ndim, ArrayConfig.from_dict({}), default_buffer_prototype())
+        quantizer = serializer._quantizer(spec)  # noqa: SLF001 - the codec's own choice, validated
+        element = dtypes.by_codec_name(quantizer.dtype).carrier.newbyteorder("<")
+        if data.dtype.kind not in "fu" or data.dtype.itemsize != element.itemsize or data.dtype.byteorder == ">":
+            return None
+
+        def encode(chunk: np.ndarray) -> bytes:
+            return np.asarray(quantizer.encode_array(chunk.view(element))).tobytes()
+        return encode
+    return None
 
 
 class _ChunkPipeline:
@@ -190,7 +215,7 @@ class _ChunkPipeline:
         #: (path, chunk index) -> the encode future, whose result is the put future
         self._jobs: dict[tuple[str, int], Future[Future[None]]] = {}
 
-    def submit(self, path: str, z: zarr.Array, data: np.ndarray, codec: ByteGroupZarrCodec,
+    def submit(self, path: str, z: zarr.Array, data: np.ndarray, codec: ChunkEncoder,
                done: Callable[[], None]) -> None:
         """Queue every chunk of tensor ``path``, array ``z`` (its zarr.json already written)
         with values ``data``; ``done()`` runs once its last chunk is stored."""
@@ -216,8 +241,8 @@ class _ChunkPipeline:
                     self._encode, key, data, chunk_shape, coords, codec, stored)
 
     def _encode(self, key: str, data: np.ndarray, chunk_shape: tuple[int, ...], coords: tuple[int, ...],
-                codec: ByteGroupZarrCodec, stored: Callable[[], None]) -> Future[None]:
-        payload = codec.encode_bytes(chunk_bytes(data, chunk_shape, coords))
+                codec: ChunkEncoder, stored: Callable[[], None]) -> Future[None]:
+        payload = codec(chunk_bytes(data, chunk_shape, coords))
         self._slots.acquire()  # wait while the most encoded chunks allowed wait for a put
         assert self._putters is not None
         try:
@@ -318,14 +343,15 @@ def write_arrays(
             meta["content"] = lossless_digest(array, names[path], codecs, chunking(array.shape, array.dtype.itemsize))
         # the parent stored these exact bits the same way: take its chunks, encode nothing
         adopted = plan is None and _parent_content(store, path) == meta["content"] and store.adopt_from_parent(path)
-        direct = None if adopted or chunks is None else _direct_codec(store, data, codecs)
-        if direct is not None:
-            assert chunks is not None
-            z = _create_metadata(store, path, data, codecs, chunking, {ATTR: meta})
-            chunks.submit(path, z, data, direct, lambda: written(path))
-            return
         if not adopted:
-            create_array(store, path, data, codecs, chunking, {ATTR: meta})
+            z = _create_metadata(store, path, data, codecs, chunking, {ATTR: meta})
+            direct = None if chunks is None else _direct_codec(store, data, codecs, z)
+            if direct is not None:
+                assert chunks is not None
+                chunks.submit(path, z, data, direct, lambda: written(path))
+                return
+            if data.size:
+                z[...] = data
         written(path)
 
     def recorded(path: str) -> None:

@@ -169,3 +169,36 @@ def test_a_failed_chunk_put_fails_the_save_after_every_chunk_ended(local_url: st
     assert not repo.branches()  # nothing committed
     monkeypatch.setattr(PendingChunks, "put", put)
     assert _bits(repo.load(repo.save(state, dtypes=declared).id)["w/c_order"]) == _bits(state["w/c_order"])
+
+
+def test_quantized_chunks_skip_zarrs_pipeline_and_store_the_same_bytes(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nuq chain through the direct path: keyframes and deltas against the parent
+    (two versions), several chunks with a partial edge chunk, float16 and bfloat16."""
+    from inshrink_store.policy import QuantConfig
+
+    state, declared = _layouts()
+    state = {k: v for k, v in state.items() if k not in ("w/ints", "w/scalar")}
+    rng = np.random.default_rng(3)
+    second = {k: (v + (rng.standard_normal(v.shape) * 1e-3).astype(v.dtype)) if v.dtype.kind == "f" else v
+              for k, v in state.items()}
+    config = QuantConfig(bins=16, protect=0.01, min_numel=16)
+    submitted: list[str] = []
+    submit = writer._ChunkPipeline.submit
+
+    def spy(self: writer._ChunkPipeline, path: str, *args: object, **kwargs: object) -> None:
+        submitted.append(path)
+        submit(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer._ChunkPipeline, "submit", spy)
+    direct = ins.open(str(tmp_path / "direct"), create=True)
+    direct_infos = [direct.save(s, dtypes=declared, quantize=config) for s in (state, second)]
+    assert set(submitted) >= {"w/c_order", "w/long", "w/f16", "w/three_d"}
+    quantized = [p for p, a in direct.checkout().arrays().items() if a.storage == "quantized"]
+    assert {"w/c_order", "w/three_d", "w/f16", "w/bf16"} <= set(quantized)
+    monkeypatch.setattr(writer, "_direct_codec", lambda *args: None)  # every chunk through zarr
+    via_zarr = ins.open(str(tmp_path / "zarr"), create=True)
+    zarr_infos = [via_zarr.save(s, dtypes=declared, quantize=config) for s in (state, second)]
+    assert [i.root for i in direct_infos] == [i.root for i in zarr_infos]
+    assert sorted(p.name for p in (tmp_path / "direct" / "objects").rglob("*")) == \
+        sorted(p.name for p in (tmp_path / "zarr" / "objects").rglob("*"))  # deltas included
