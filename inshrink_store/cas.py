@@ -8,7 +8,10 @@ whole or as a delta. The stored form starts with a fixed header::
     4   1  kind         0 = whole (keyframe), 1 = delta against ``base``
     5   1  coder        0 = none, 1 = zstd, 2 = zstd of the payload with its level ids
                         packed two per byte (keyframes of <= 31 levels, ids from 15
-                        escaped above 16; see ``codecs/_nibbles``; written when smaller)
+                        escaped above 16; see ``codecs/_nibbles``; written when smaller),
+                        3 = an ``inshrink.bytegroup`` chunk (format 2) of the payload's
+                        float elements; in a delta, planes may be XORed with the base's
+                        payload (raw float bits of the parent version's chunk)
     6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
     8   8  logical length
     16 16  base id      raw 16 bytes of the base's id, zeros when whole
@@ -32,10 +35,11 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 import zstandard
 
-from inshrink_store.codecs import _nibbles, _payload, _zstd
+from inshrink_store.codecs import _nibbles, _payload, _planes, _zstd, bytegroup
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
@@ -52,11 +56,20 @@ MAX_ZSTD_EXPANSION = _zstd.MAX_EXPANSION  # zstd's largest expansion, rounded up
 HEADER = struct.Struct("<4sBBHQ16sQ")
 HEADER_SIZE = HEADER.size  # 40
 KIND_WHOLE, KIND_DELTA = 0, 1
-CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD = 0, 1, 2
+CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP = 0, 1, 2, 3
+CODERS = (CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP)
+#: float element types coder 3 codes (a payload of raw little-endian elements of one of them)
+ELEMENTS = bytegroup.ELEMENT_DTYPES
+#: a bytegroup body decodes to at most this many bytes per stored byte (its planes' worst
+#: coder, packed ranks, times the widest element)
+MAX_BYTEGROUP_EXPANSION = 4 * _planes.PACKED_MAX_EXPANSION
 #: zstd level of whole quantized payloads (one level id per byte). Level 1 both codes them
 #: smaller than level 3 on trained weights (2.18x vs 1.96x at 16 levels, 2.81x vs 2.54x at
 #: 8 levels pruned 30 %) and runs 3-10x faster; level 3 was the store's first choice.
 ZSTD_LEVEL = 1
+#: zstd level of coder 3's planes (level 1: smaller and faster than 3 on trained weights,
+#: benchmarks/bench_bytegroup.py)
+LOSSLESS_LEVEL = 1
 MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
 
@@ -92,10 +105,10 @@ def parse_header(oid: str, data: bytes, stored_size: int | None = None) -> Objec
             "Run `inshrink verify` to find what uses it."
         )
     magic, kind, coder, depth, length, base, checksum = HEADER.unpack_from(data, 0)
-    if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in (CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD) \
+    if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in CODERS \
             or (kind == KIND_DELTA and coder == CODER_PACKED_ZSTD):
         raise IntegrityError(
-            f"Expected kind 0 or 1 and coder 0, 1 or 2 (2 for keyframes only) in object {oid}. Got kind {kind}, coder "
+            f"Expected kind 0 or 1 and coder 0-3 (2 for keyframes only) in object {oid}. Got kind {kind}, coder "
             f"{coder} instead: the object is corrupt. Run `inshrink verify` to find what uses it."
         )
     if (
@@ -115,6 +128,8 @@ def parse_header(oid: str, data: bytes, stored_size: int | None = None) -> Objec
 
 def _max_logical(kind: int, coder: int, body_len: int) -> int:
     """The largest logical payload a body of ``body_len`` bytes can decode to."""
+    if coder == CODER_BYTEGROUP:  # keyframe or XOR delta: the same bound
+        return body_len * MAX_BYTEGROUP_EXPANSION
     if coder == CODER_ZSTD:
         body_len *= MAX_ZSTD_EXPANSION
     elif coder == CODER_PACKED_ZSTD:  # unpacking at most doubles the ids
@@ -197,8 +212,12 @@ class ObjectStore:
         self.__init__(state["storage"], state["interval"], state["cache"])  # type: ignore[misc, arg-type]
 
     # -- writing ---------------------------------------------------------------------
-    def put(self, payload: bytes, base: str | None = None) -> PutResult:
-        """Store ``payload`` (whole, or as a delta against object ``base`` when clearly smaller)."""
+    def put(self, payload: bytes, base: str | None = None, element: str | None = None) -> PutResult:
+        """Store ``payload`` (whole, or as a delta against object ``base`` when clearly smaller).
+
+        ``element`` (one of :data:`ELEMENTS`) says the payload is raw little-endian floats of
+        that type: it is then coded with ``inshrink.bytegroup`` (coder 3), and against
+        ``base`` (the parent version's chunk) its byte planes may be XORed with the base's."""
         payload = bytes(payload)
         oid = content_id(payload)
         # No process-wide "already written" set: gc (here or in another process) may have
@@ -207,7 +226,7 @@ class ObjectStore:
         # every gc keeps as a branch head, so it needs no round trip.
         if oid == base or self.storage.exists(object_path(oid)):
             return PutResult(oid, 0, -1)
-        stored = self._encode(payload, base)
+        stored = self._encode_floats(payload, base, element) if element is not None else self._encode(payload, base)
         self.storage.write(object_path(oid), stored)
         self._cache.put(oid, payload)
         return PutResult(oid, len(stored), stored[4])
@@ -231,6 +250,29 @@ class ObjectStore:
         if not worth_delta(len(delta), len(body)):
             return whole
         return _frame(KIND_DELTA, CODER_NONE, base_header.depth + 1, payload, base, delta)
+
+    def _encode_floats(self, payload: bytes, base: str | None, element: str) -> bytes:
+        """Coder 3: the payload's byte planes coded apart; a delta when a plane codes smaller
+        as the XOR with the base payload's (same element count: the same tensor's chunk one
+        version back) and the whole is clearly smaller than the keyframe."""
+        coder, body = keyframe_body(payload, element)
+        whole = _frame(KIND_WHOLE, coder, 0, payload, None, body)
+        if coder != CODER_BYTEGROUP or base is None or base == content_id(payload):
+            return whole
+        try:
+            base_header = self.header(base)
+            if base_header.depth + 1 >= self.keyframe_interval or base_header.logical_length != len(payload):
+                return whole
+            base_payload = self.get(base)
+        except (FormatError, NotFoundError, IntegrityError):
+            return whole  # an unreadable base: a keyframe is always correct
+        data = np.frombuffer(payload, np.uint8)
+        delta = bytegroup.encode_chunk(data, element, LOSSLESS_LEVEL, "zstd+huffman",
+                                       base=np.frombuffer(base_payload, np.uint8))
+        uses_base = bool(bytegroup.parse(np.frombuffer(delta, np.uint8))[1] & bytegroup.FLAG_BASE)
+        if not uses_base or not worth_delta(len(delta), len(body)):
+            return whole
+        return _frame(KIND_DELTA, CODER_BYTEGROUP, base_header.depth + 1, payload, base, delta)
 
     # -- reading ---------------------------------------------------------------------
     def read_stored(self, oid: str) -> bytes:
@@ -344,10 +386,20 @@ class ObjectStore:
         return out
 
 
-def keyframe_body(payload: bytes) -> tuple[int, bytes]:
-    """(coder, body) of a payload stored whole: a quantized payload zstd-compressed, as it is
-    or with its ids two per byte (whichever is smaller; the plain form on a tie), anything
-    else raw. The search's ratio estimate calls this too, so it measures what is stored."""
+def keyframe_body(payload: bytes, element: str | None = None) -> tuple[int, bytes]:
+    """(coder, body) of a payload stored whole: raw floats of ``element`` as a bytegroup
+    chunk (coder 3); a quantized payload zstd-compressed, as it is or with its ids two per
+    byte (whichever is smaller; the plain form on a tie); anything else raw. The search's
+    ratio estimate calls this too, so it measures what is stored."""
+    if element is not None:
+        if element not in ELEMENTS:
+            raise FormatError(f"Expected a float element type in {list(ELEMENTS)}. Got {element!r} instead.")
+        if len(payload) % bytegroup.carrier(element).itemsize:
+            raise FormatError(f"Expected whole {element} elements. Got a payload of {len(payload)} bytes instead.")
+        if not payload:
+            return CODER_NONE, payload
+        return CODER_BYTEGROUP, bytegroup.encode_chunk(np.frombuffer(payload, np.uint8), element,
+                                                       LOSSLESS_LEVEL, "zstd+huffman")
     if not is_quantized_payload(payload):
         return CODER_NONE, payload
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
@@ -411,6 +463,8 @@ def _decode_body(
             body = _bounded_zstd(oid, body, limit)
         elif header.coder == CODER_PACKED_ZSTD:  # a keyframe; packed, it is below its logical size
             body = _nibbles.unpack(_bounded_zstd(oid, body, header.logical_length))
+        elif header.coder == CODER_BYTEGROUP:
+            return _decode_floats(oid, header, body, base)
         if header.is_delta:
             if base is None:
                 raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
@@ -421,3 +475,17 @@ def _decode_body(
             f"Expected object {oid} to decode. Got {exc} instead: the object is corrupt. "
             "Run `inshrink verify` to find what uses it."
         ) from exc
+
+
+def _decode_floats(oid: str, header: ObjectHeader, body: bytes | memoryview, base: bytes | None) -> bytes:
+    """Coder 3: the raw float payload of a bytegroup body (a delta's XOR planes against its
+    base's payload); the element type is the chunk's own, its size the header's."""
+    data = np.frombuffer(body, np.uint8)
+    code = bytegroup.parse(data)[0]
+    base_data = None
+    if header.is_delta:
+        if base is None:
+            raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
+        base_data = np.frombuffer(base, np.uint8)
+    return bytegroup.decode_bytes(data, bytegroup.DTYPE_NAMES[code], base=base_data,
+                                  size=header.logical_length).tobytes()

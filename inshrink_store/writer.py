@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,7 @@ from zarr.codecs import BloscCodec, BytesCodec
 from zarr.core.array_spec import ArrayConfig
 from zarr.core.buffer import default_buffer_prototype
 
-from inshrink_store import dtypes
+from inshrink_store import cas, dtypes
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec, carrier
 from inshrink_store.codecs.nuq import NUQZarrCodec
@@ -46,9 +47,8 @@ from inshrink_store.parallel import map_in_order
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
 CHUNK_BYTES = 4 << 20  # see docs/understanding/chunking.md
-#: zstd level of the lossless float codec (level 1: smaller and faster than 3 on trained
-#: weights, benchmarks/bench_bytegroup.py)
-LOSSLESS_LEVEL = 1
+#: zstd level of the lossless float coding (the object store's coder 3)
+LOSSLESS_LEVEL = cas.LOSSLESS_LEVEL
 Chunking = Callable[[tuple[int, ...], int], tuple[int, ...]]
 
 
@@ -105,12 +105,14 @@ def lossless_codecs(array: np.ndarray, dtype: str | None = None) -> dict[str, An
     """The zarr serializer and compressors of a tensor stored exactly. ``dtype`` is its logical
     dtype (``"BF16"`` for uint16 bfloat16 bits; inferred from the array when None).
 
-    float32, float16 and bfloat16 go through ``inshrink.bytegroup`` (the registry's
-    element name in its configuration); every other dtype through Blosc zstd + shuffle."""
+    float32, float16 and bfloat16 are stored as their raw little-endian bits (zarr's
+    ``bytes`` codec alone): the object store codes them itself (``inshrink.bytegroup``
+    planes, object coder 3), against the parent version's chunk where XORed planes code
+    smaller, which a codec inside zarr could not see. Every other dtype goes through
+    Blosc zstd + shuffle."""
     entry = dtypes.of_array(array, dtype)
     if entry.codec_name in BYTEGROUP_DTYPES:
-        return {"serializer": BytesCodec(endian="little"),
-                "compressors": [ByteGroupZarrCodec(dtype=entry.codec_name, level=LOSSLESS_LEVEL)]}
+        return {"serializer": BytesCodec(endian="little"), "compressors": None}
     shuffle: Literal["shuffle", "noshuffle"] = "shuffle" if array.dtype.itemsize > 1 else "noshuffle"
     return {
         "serializer": BytesCodec(),
@@ -171,6 +173,10 @@ def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: za
     if isinstance(serializer, BytesCodec) and len(compressors) == 1 and isinstance(compressors[0], ByteGroupZarrCodec):
         codec = compressors[0]
         return codec.encode_bytes if data.dtype == carrier(codec.dtype) else None  # '>f4': zarr's byte swap
+    if isinstance(serializer, BytesCodec) and not compressors:
+        # raw bits: the chunk's bytes are the payload (the object store codes floats itself)
+        little = data.dtype.byteorder in ("<", "|") or (data.dtype.byteorder == "=" and sys.byteorder == "little")
+        return _raw_bytes if little else None
     if isinstance(serializer, NUQZarrCodec) and not compressors and z is not None:
         spec = z.metadata.get_chunk_spec((0,) * data.ndim, ArrayConfig.from_dict({}), default_buffer_prototype())
         quantizer = serializer._quantizer(spec)  # noqa: SLF001 - the codec's own choice, validated
@@ -182,6 +188,10 @@ def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: za
             return np.asarray(quantizer.encode_array(chunk.view(element))).tobytes()
         return encode
     return None
+
+
+def _raw_bytes(chunk: np.ndarray) -> bytes:
+    return chunk.tobytes()
 
 
 class _ChunkPipeline:

@@ -12,6 +12,7 @@ with the reader and the writer, so its trees are read once per process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import posixpath
 import threading
@@ -30,6 +31,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import IntegrityError, NotFoundError
 from inshrink_store.index import (  # noqa: F401 - load_root, load_node, tree_path re-exported
+    ATTR,
     METADATA_KEY,
     Entry,
     SnapshotIndex,
@@ -110,6 +112,34 @@ class SnapshotChunks:
         return self.index.entry(key) is not None
 
 
+@functools.lru_cache(maxsize=4096)
+def raw_float_element(zarr_json: bytes) -> str | None:
+    """See :meth:`PendingChunks._float_element`: from one array's zarr.json (cached: every
+    chunk of an array asks)."""
+    try:
+        doc = json.loads(zarr_json)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("node_type") != "array":
+        return None
+    codecs = doc.get("codecs")
+    if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+        return None
+    codec = codecs[0]
+    config = codec.get("configuration") or {}
+    if codec.get("name") != "bytes" or not isinstance(config, dict) or config.get("endian", "little") != "little":
+        return None
+    data_type = doc.get("data_type")
+    attributes = doc.get("attributes")
+    ours = attributes.get(ATTR) if isinstance(attributes, dict) else None
+    declared = ours.get("dtype") if isinstance(ours, dict) else None
+    if data_type in ("float32", "float16") and declared in (None, "F32" if data_type == "float32" else "F16"):
+        return str(data_type)
+    if data_type == "uint16" and declared == "BF16":
+        return "bfloat16"
+    return None
+
+
 def compact_json(text: bytes) -> bytes:
     """A zarr.json document without its indentation (zarr writes 2-space indented JSON; it is
     stored inline in every node tree of every version that changes the array, and on a small
@@ -169,10 +199,23 @@ class PendingChunks:
             return
         previous = self._parent_entries.get(key)
         base = previous.oid if previous is not None else None
-        result = self.objects.put(value, base=base)  # outside the lock: objects in parallel
+        # outside the lock: objects in parallel
+        result = self.objects.put(value, base=base, element=self._float_element(key))
         with self._lock:
             self.new_stored_bytes += result.stored_bytes
             self.entries[key] = Entry(oid=result.oid)
+
+    def _float_element(self, key: str) -> str | None:
+        """The float element type of chunk ``key`` when its array stores raw floats (zarr's
+        ``bytes`` codec alone, little-endian float32, float16, or bfloat16 bits as the
+        writer declares them): the object store then codes it (coder 3, against the parent's
+        chunk where that is smaller). None for anything else, stored as zarr encoded it."""
+        parts = key.split("/")
+        for cut in range(len(parts) - 1, 0, -1):
+            entry = self.entries.get("/".join(parts[:cut]) + "/" + METADATA_KEY)
+            if entry is not None and entry.inline is not None:
+                return raw_float_element(entry.inline)
+        return None
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -4,7 +4,10 @@ tests/fixtures/, must read back exactly as they did when they were written.
 ``store-objects-v1`` was written by the release before object format 2 (its objects have
 the body-only checksum), ``store-objects-v2`` by the release before packed level ids (object
 coder 2), ``store-objects-v3`` by the release before compressed trees (a keyframe with packed
-ids), ``store-objects-v4`` by the current one (trees stored as zstd frames); all by
+ids), ``store-objects-v4`` by the release before object coder 3 (trees stored as zstd
+frames; lossless floats as ``inshrink.bytegroup`` zarr chunks), ``store-objects-v5`` by the
+current one (lossless floats as raw bits in zarr, bytegroup-coded objects, XOR deltas
+against the parent's chunk); all by
 ``tests/fixtures/make_store.py``. ``expected.json`` holds a hash of every tensor of every
 version as first read, so any change in how old bytes decode fails here.
 """
@@ -83,3 +86,13 @@ def test_the_newest_fixture_holds_compressed_trees() -> None:
 
     trees = [p.read_bytes() for p in (FIXTURES / "store-objects-v4" / "trees").rglob("*") if p.is_file()]
     assert trees and all(t[:4] == ZSTD_MAGIC for t in trees)
+
+
+def test_the_newest_fixture_holds_bytegroup_keyframes_and_xor_deltas() -> None:
+    """The fixture guards object coder 3 only if it really holds a keyframe and a delta."""
+    from inshrink_store import cas
+
+    root = FIXTURES / "store-objects-v5" / "objects"
+    kinds = {(h.kind, h.coder) for h in (cas.parse_header(p.parent.name + p.name, p.read_bytes())
+                                         for p in root.rglob("*") if p.is_file())}
+    assert {(cas.KIND_WHOLE, cas.CODER_BYTEGROUP), (cas.KIND_DELTA, cas.CODER_BYTEGROUP)} <= kinds

@@ -4,11 +4,11 @@ The search ranks candidate configurations by measured compression ratio, so the
 measurement encodes each tensor the way the store does:
 
 - a lossless tensor by writing it the writer's own way (:func:`inshrink_store.writer.create_array`
-  with :func:`inshrink_store.writer.lossless_codecs`: ``inshrink.bytegroup`` for float32,
-  float16 and bfloat16, Blosc zstd + shuffle otherwise) into a zarr memory store and
-  counting its chunk bytes: same codecs, chunk grid and padded edge chunks, so a change to
-  the writer's codec choice changes the estimate with it. The store keeps those chunk
-  objects as they are;
+  with :func:`inshrink_store.writer.lossless_codecs`: raw bits for float32, float16 and
+  bfloat16, Blosc zstd + shuffle otherwise) into a zarr memory store, each chunk then
+  coded as the object store codes a keyframe of it (:func:`inshrink_store.cas.keyframe_body`:
+  ``inshrink.bytegroup`` planes for raw floats): same codecs, chunk grid and padded edge
+  chunks, so a change to the writer's codec choice changes the estimate with it;
 - a quantized tensor as its ``inshrink.nuq`` payload coded the way the object store codes a
   keyframe (:func:`inshrink_store.cas.keyframe_body`: zstd, with ids two per byte when that
   is smaller), encoded whole. A tensor of more
@@ -29,7 +29,8 @@ import numpy as np
 import zarr
 from zarr.core.buffer import Buffer
 
-from inshrink_store.cas import keyframe_body
+from inshrink_store import dtypes
+from inshrink_store.cas import ELEMENTS, keyframe_body
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
 from inshrink_store.writer import ArrayPlan, create_array, lossless_codecs
@@ -43,7 +44,10 @@ def lossless_bytes(array: np.ndarray, dtype: str | None = None) -> int:
         return 0
     written: dict[str, Buffer] = {}
     create_array(zarr.storage.MemoryStore(written), None, array, lossless_codecs(array, dtype))
-    return sum(len(value) for key, value in written.items() if not key.endswith("zarr.json"))
+    codec_name = dtypes.of_array(array, dtype).codec_name
+    element = codec_name if codec_name in ELEMENTS and lossless_codecs(array, dtype)["compressors"] is None else None
+    return sum(len(keyframe_body(value.to_bytes(), element)[1])
+               for key, value in written.items() if not key.endswith("zarr.json"))
 
 
 def quantized_bytes(plan: ArrayPlan) -> int:

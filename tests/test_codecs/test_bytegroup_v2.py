@@ -14,6 +14,7 @@ import pytest
 import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from zarr.codecs import BytesCodec
 
 from inshrink_store import dtypes
 from inshrink_store.codecs import _planes
@@ -213,12 +214,22 @@ def test_format_2_is_refused_by_name_where_format_1_methods_are_expected():
 # -- the zarr v3 front end -------------------------------------------------------------
 
 
+def _bytegroup_codecs(array: np.ndarray, logical: str | None = None) -> dict[str, object]:
+    """bytes + ``inshrink.bytegroup``: the zarr chain for float chunks (the store itself now
+    writes raw bits and codes them as objects; zarr users and older stores use this one)."""
+    from inshrink_store import dtypes
+
+    element = dtypes.of_array(array, logical).codec_name
+    return {"serializer": BytesCodec(endian="little"),
+            "compressors": [ByteGroupZarrCodec(dtype=element, level=1)]}
+
+
 def _zarr_round_trip(array: np.ndarray, logical: str, chunks: tuple[int, ...] | None = None,
                      concurrency: int = 10) -> tuple[np.ndarray, dict[str, bytes]]:
     written: dict[str, object] = {}
     chunking = (lambda shape, itemsize: chunks) if chunks else None
     with zarr.config.set({"async.concurrency": concurrency}):
-        create_array(zarr.storage.MemoryStore(written), None, array, lossless_codecs(array, logical), chunking)
+        create_array(zarr.storage.MemoryStore(written), None, array, _bytegroup_codecs(array, logical), chunking)
         back = zarr.open_array(zarr.storage.MemoryStore(written), mode="r")[...]
     return np.asarray(back), {k: v.to_bytes() for k, v in written.items()}  # type: ignore[attr-defined]
 
@@ -281,15 +292,18 @@ def test_the_codec_refuses_an_array_of_another_dtype(array_dtype, codec_dtype):
 def test_a_chunk_of_the_wrong_size_is_a_format_error_before_anything_is_allocated():
     written: dict[str, object] = {}
     store = zarr.storage.MemoryStore(written)
-    create_array(store, None, weights(8), lossless_codecs(weights(8)), lambda shape, itemsize: (4,))
+    create_array(store, None, weights(8), _bytegroup_codecs(weights(8)), lambda shape, itemsize: (4,))
     written["c/1"] = written["c/0"].__class__.from_bytes(ByteGroup(coder=CODER).encode(weights(5)))  # type: ignore[attr-defined]
     with pytest.raises(FormatError, match="chunk of 16 bytes"):
         zarr.open_array(store, mode="r")[...]
 
 
-def test_other_dtypes_keep_blosc():
+def test_other_dtypes_keep_blosc_and_floats_are_raw_bits_for_the_object_store():
     for array in (np.arange(10, dtype=np.int64), np.ones(3, bool), np.linspace(0, 1, 5)):
         (codec,) = lossless_codecs(array)["compressors"]
         assert codec.to_dict()["name"] == "blosc"
     assert lossless_codecs(np.zeros(3, np.uint16))["compressors"][0].to_dict()["name"] == "blosc"
-    assert lossless_codecs(np.zeros(3, np.uint16), "BF16")["compressors"][0].dtype == "bfloat16"
+    for array, logical in ((np.zeros(3, np.uint16), "BF16"), (np.zeros(3, np.float32), None),
+                           (np.zeros(3, np.float16), None)):
+        codecs = lossless_codecs(array, logical)
+        assert codecs["compressors"] is None and codecs["serializer"].to_dict()["name"] == "bytes"

@@ -68,14 +68,15 @@ def test_a_changed_bit_or_a_changed_declaration_is_encoded_again(store_url: str,
     changed["model/a"] = flipped
     encoded.clear()
     repo.save(changed, message="v2")
-    assert encoded == [flipped.nbytes]  # only that tensor
+    # only that tensor: coded whole, and against its parent's chunk (the XOR delta trial)
+    assert set(encoded) == {flipped.nbytes} and len(encoded) <= 2
     assert ins.open(store_url).load("main")["model/a"].tobytes() == flipped.tobytes()
 
     bits = {"w": np.arange(64, dtype=np.uint16)}
     repo.save(bits, message="as integers", branch="bits")
     encoded.clear()
     repo.save(bits, dtypes={"w": "BF16"}, message="as bfloat16", branch="bits")
-    assert encoded == [bits["w"].nbytes]  # same bits, another dtype: stored afresh
+    assert set(encoded) == {bits["w"].nbytes}  # same bits, another dtype: stored afresh
     reader = ins.open(store_url).checkout("bits")
     assert reader.dtypes() == {"w": "BF16"}
 
