@@ -212,12 +212,23 @@ class ObjectStore:
         self.__init__(state["storage"], state["interval"], state["cache"])  # type: ignore[misc, arg-type]
 
     # -- writing ---------------------------------------------------------------------
-    def put(self, payload: bytes, base: str | None = None, element: str | None = None) -> PutResult:
+    def put(self, payload: bytes | memoryview, base: str | None = None, element: str | None = None) -> PutResult:
         """Store ``payload`` (whole, or as a delta against object ``base`` when clearly smaller).
 
         ``element`` (one of :data:`ELEMENTS`) says the payload is raw little-endian floats of
         that type: it is then coded with ``inshrink.bytegroup`` (coder 3), and against
         ``base`` (the parent version's chunk) its byte planes may be XORed with the base's."""
+        if element is not None:
+            # raw floats are read where they lie (often a view of the caller's tensor: 4 MiB
+            # chunks, no copy) and not cached: a copy of every chunk of the model, and the
+            # caller's tensor may change; the next version's delta reads them back
+            view = memoryview(payload).cast("B")
+            oid = content_id(view)
+            if oid == base or self.storage.exists(object_path(oid)):
+                return PutResult(oid, 0, -1)
+            stored = self._encode_floats(view, base, element)
+            self.storage.write(object_path(oid), stored)
+            return PutResult(oid, len(stored), stored[4])
         payload = bytes(payload)
         oid = content_id(payload)
         # No process-wide "already written" set: gc (here or in another process) may have
@@ -226,9 +237,9 @@ class ObjectStore:
         # every gc keeps as a branch head, so it needs no round trip.
         if oid == base or self.storage.exists(object_path(oid)):
             return PutResult(oid, 0, -1)
-        stored = self._encode_floats(payload, base, element) if element is not None else self._encode(payload, base)
+        stored = self._encode(payload, base)
         self.storage.write(object_path(oid), stored)
-        self._cache.put(oid, payload)
+        self._cache.put(oid, payload)  # kept for the next version's delta
         return PutResult(oid, len(stored), stored[4])
 
     def _encode(self, payload: bytes, base: str | None) -> bytes:
@@ -251,7 +262,7 @@ class ObjectStore:
             return whole
         return _frame(KIND_DELTA, CODER_NONE, base_header.depth + 1, payload, base, delta)
 
-    def _encode_floats(self, payload: bytes, base: str | None, element: str) -> bytes:
+    def _encode_floats(self, payload: memoryview, base: str | None, element: str) -> bytes:
         """Coder 3: the payload's byte planes coded apart; a delta when a plane codes smaller
         as the XOR with the base payload's (same element count: the same tensor's chunk one
         version back) and the whole is clearly smaller than the keyframe."""
@@ -386,7 +397,7 @@ class ObjectStore:
         return out
 
 
-def keyframe_body(payload: bytes, element: str | None = None) -> tuple[int, bytes]:
+def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tuple[int, bytes]:
     """(coder, body) of a payload stored whole: raw floats of ``element`` as a bytegroup
     chunk (coder 3); a quantized payload zstd-compressed, as it is or with its ids two per
     byte (whichever is smaller; the plain form on a tie); anything else raw. The search's
@@ -396,12 +407,12 @@ def keyframe_body(payload: bytes, element: str | None = None) -> tuple[int, byte
             raise FormatError(f"Expected a float element type in {list(ELEMENTS)}. Got {element!r} instead.")
         if len(payload) % bytegroup.carrier(element).itemsize:
             raise FormatError(f"Expected whole {element} elements. Got a payload of {len(payload)} bytes instead.")
-        if not payload:
-            return CODER_NONE, payload
+        if not len(payload):
+            return CODER_NONE, b""
         return CODER_BYTEGROUP, bytegroup.encode_chunk(np.frombuffer(payload, np.uint8), element,
                                                        LOSSLESS_LEVEL, "zstd+huffman")
     if not is_quantized_payload(payload):
-        return CODER_NONE, payload
+        return CODER_NONE, bytes(payload)
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     body = compressor.compress(payload)
     if _nibbles.packable(payload):
@@ -412,7 +423,7 @@ def keyframe_body(payload: bytes, element: str | None = None) -> tuple[int, byte
 
 
 def _frame(
-    kind: int, coder: int, depth: int, payload: bytes, base: str | None, body: bytes,
+    kind: int, coder: int, depth: int, payload: bytes | memoryview, base: str | None, body: bytes,
     version: int = 2,
 ) -> bytes:
     """Header + body; ``version=1`` writes the old format (only tests need it)."""

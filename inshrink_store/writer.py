@@ -149,7 +149,7 @@ PUT_THREADS = 8
 
 
 #: encodes one chunk, given its elements' C-order bytes, to the bytes zarr's pipeline would store
-ChunkEncoder = Callable[[np.ndarray], bytes]
+ChunkEncoder = Callable[[np.ndarray], bytes | memoryview]
 
 
 def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: zarr.Array | None = None,
@@ -190,34 +190,42 @@ def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: za
     return None
 
 
-def _raw_bytes(chunk: np.ndarray) -> bytes:
-    return chunk.tobytes()
+def _raw_bytes(chunk: np.ndarray) -> memoryview:
+    """A raw chunk's payload: a view of its bytes (the object store reads it, copies nothing)."""
+    return np.ascontiguousarray(chunk).reshape(-1).data
 
 
 class _ChunkPipeline:
-    """Lossless float chunks encoded and stored outside zarr's codec pipeline, every chunk of
-    every tensor of one ``write_arrays`` call through one queue.
+    """Chunks encoded and stored outside zarr's codec pipeline, every chunk of every tensor
+    of one ``write_arrays`` call through one queue.
 
     Why (measured on a pretrained CNN, 2 cores, local disk): zarr's pipeline copies each
     chunk of a multi-chunk array into a fresh chunk buffer on its one event-loop thread,
     hands the encoded bytes to the store as another copy, encodes on its executor's threads
     (cores + 4 of them on a small machine) and works one array per writer thread, so a save
     alternated between every core encoding and cores waiting on fsyncs. Here a chunk of a
-    C-contiguous tensor is a view of it (an edge chunk or a strided tensor is copied once),
-    ``encoders`` threads (the writer's thread count) encode, and each encoded chunk is
-    stored by one of ``max(PUT_THREADS, 2 * encoders)`` others, so an encoder never waits
-    on a fsync or a request; at most twice as many encoded chunks as put threads wait for a
-    put (each up to a chunk's size: that bounds the memory).
+    C-contiguous tensor is a view of it (an edge chunk or a strided tensor is copied once).
+    ``encoders`` threads (the writer's thread count) run the zarr codec's part (quantizing a
+    chunk; nothing for raw floats, whose view is the payload), and put threads hand each
+    payload to the object store, which codes it (raw floats as bytegroup planes, against the
+    parent's chunk where smaller; quantized payloads with zstd or as a delta) and writes it.
+    On a local disk or in memory there is one put thread per encoder, since coding is a
+    core's work; on an object store ``max(PUT_THREADS, 2 * encoders)``, since a put mostly
+    waits on its request. At most twice as many payloads as put threads wait for a put
+    (each up to a chunk's size: that bounds the memory).
 
-    The stored bytes are zarr's: the same codec function (:meth:`ByteGroupZarrCodec.encode_bytes`)
-    on the same C-order bytes of each chunk, an edge chunk padded with the fill value 0 as
-    zarr pads it, under the key zarr gives it (tests/test_repository/test_lossless_floats.py
-    compares the two paths). Every object is stored before :meth:`wait` returns, so before
-    any commit."""
+    The stored bytes are those of zarr's pipeline: the same codec function on the same
+    C-order bytes of each chunk, an edge chunk padded with the fill value 0 as zarr pads it,
+    under the key zarr gives it (tests/test_repository/test_lossless_floats.py compares the
+    two paths). Every object is stored before :meth:`wait` returns, so before any commit."""
 
     def __init__(self, view: PendingChunks, encoders: int) -> None:
         self._view, self._encoders_wanted = view, max(1, encoders)
-        self._puts_wanted = max(PUT_THREADS, 2 * self._encoders_wanted)
+        # a local disk or memory: a put is mostly the object store coding raw floats (a core's
+        # work), so one per core; an object store: a put mostly waits on its request
+        storage = view.objects.storage
+        local = storage.is_local or storage.protocol == "memory"
+        self._puts_wanted = self._encoders_wanted if local else max(PUT_THREADS, 2 * self._encoders_wanted)
         self._encoders: ThreadPoolExecutor | None = None
         self._putters: ThreadPoolExecutor | None = None
         self._slots = threading.BoundedSemaphore(2 * self._puts_wanted)
@@ -261,7 +269,7 @@ class _ChunkPipeline:
             self._slots.release()
             raise
 
-    def _put(self, key: str, payload: bytes, stored: Callable[[], None]) -> None:
+    def _put(self, key: str, payload: bytes | memoryview, stored: Callable[[], None]) -> None:
         try:
             self._view.put(key, payload)
         finally:

@@ -192,8 +192,8 @@ class PendingChunks:
     def has(self, key: str) -> bool:
         return key in self.entries
 
-    def put(self, key: str, value: bytes) -> None:
-        if posixpath.basename(key) == METADATA_KEY and _is_text(value):
+    def put(self, key: str, value: bytes | memoryview) -> None:
+        if posixpath.basename(key) == METADATA_KEY and _is_text(bytes(value)):
             with self._lock:
                 self.entries[key] = Entry(inline=compact_json(bytes(value)))
             return
