@@ -1,7 +1,8 @@
 """Where the time of a quantized save and of its restore goes, stage by stage.
 
 The 32.5 M-parameter state of ``bench_quantization.py`` (1024x1024 Student-t layers) is
-saved once with 16 levels (0.5 % protected) into a local store and read back. Each stage
+saved with 16 levels (0.5 % protected) into a fresh local store and read back, three times
+(the run of each that used the least CPU is shown: the machine is shared). Each stage
 is a function of the library wrapped, for this run only, with a timer of the *CPU time of
 the calling thread* (``time.thread_time``): stages run on several threads at once (the
 writer's pool, zarr's codec threads), where wall-clock sums would count waiting. A stage
@@ -33,6 +34,7 @@ from inshrink_store.policy import QuantConfig, kmeans, partition, sketch  # noqa
 from inshrink_store.storage import local  # noqa: E402
 
 N_PARAMS = 32_500_000
+REPEAT = 3  # saves and restores; the table shows the one of each that used the least CPU
 CONFIG = QuantConfig(bins=16, protect=0.005)
 
 #: (stage, where it lives, owner object, attribute, included in); every place that holds
@@ -113,18 +115,23 @@ def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         repo = ins.open(os.path.join(tmp, "warmup"), create=True)  # imports, caches, JIT-free warm up
         repo.save(make_weights(1_000_000, seed=1), quantize=CONFIG)
-        repo = ins.open(os.path.join(tmp, "store"), create=True)
-        with _timed(SAVE_STAGES) as save_spent:
-            wall, cpu = time.perf_counter(), time.process_time()
-            repo.save(weights, quantize=CONFIG, message="bench")
-            save = (time.perf_counter() - wall, time.process_time() - cpu)
-        ins.index.CACHE.clear()
-        fresh = ins.open(os.path.join(tmp, "store"))
-        with _timed(LOAD_STAGES) as load_spent:
-            wall, cpu = time.perf_counter(), time.process_time()
-            loaded = fresh.load()
-            load = (time.perf_counter() - wall, time.process_time() - cpu)
-        assert sorted(loaded) == sorted(weights)
+        saves, loads = [], []
+        for attempt in range(REPEAT):  # the run with the least CPU of each: the machine is shared
+            store = os.path.join(tmp, f"store-{attempt}")
+            repo = ins.open(store, create=True)
+            with _timed(SAVE_STAGES) as save_spent:
+                wall, cpu = time.perf_counter(), time.process_time()
+                repo.save(weights, quantize=CONFIG, message="bench")
+                saves.append(((time.perf_counter() - wall, time.process_time() - cpu), dict(save_spent)))
+            ins.index.CACHE.clear()
+            fresh = ins.open(store)
+            with _timed(LOAD_STAGES) as load_spent:
+                wall, cpu = time.perf_counter(), time.process_time()
+                loaded = fresh.load()
+                loads.append(((time.perf_counter() - wall, time.process_time() - cpu), dict(load_spent)))
+            assert sorted(loaded) == sorted(weights)
+        save, save_spent = min(saves, key=lambda run: run[0][1])
+        load, load_spent = min(loads, key=lambda run: run[0][1])
     return {"n": n, "cores": os.cpu_count(), "save": save, "load": load,
             "save_spent": dict(save_spent), "load_spent": dict(load_spent)}
 
@@ -149,8 +156,9 @@ def to_markdown(r: dict[str, Any]) -> str:
                      f"{max(cpu - top, 0) / cpu:.0%} | |")
         return lines
 
-    out = [f"{n / 1e6:.1f} M float32 parameters, 16 levels, 0.5 % protected, saved once into a local "
-           "store and loaded back by a fresh handle. CPU seconds per stage are summed over every "
+    out = [f"{n / 1e6:.1f} M float32 parameters, 16 levels, 0.5 % protected, saved into a fresh local "
+           f"store and loaded back by a fresh handle, {REPEAT} times; shown is the save and the load "
+           "that used the least CPU (the machine is shared). CPU seconds per stage are summed over every "
            "thread (`time.thread_time` around the library function named); a stage inside "
            "another is marked, the others add up to the total.", ""]
     out += table("Quantized save", SAVE_STAGES, r["save_spent"], r["save"])
