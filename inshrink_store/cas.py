@@ -42,7 +42,7 @@ import zstandard
 from inshrink_store.codecs import _nibbles, _payload, _planes, _zstd, bytegroup
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
-from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
+from inshrink_store.errors import FormatError, IntegrityError, InvalidInputError, NotFoundError
 from inshrink_store.layout import object_path  # noqa: F401 - re-exported
 from inshrink_store.manifest import content_id
 from inshrink_store.storage import Storage
@@ -227,6 +227,12 @@ class ObjectStore:
             if oid == base or self.storage.exists(object_path(oid)):
                 return PutResult(oid, 0, -1)
             stored = self._encode_floats(view, base, element)
+            if content_id(view) != oid:  # read where they lie: they must not move meanwhile
+                raise InvalidInputError(
+                    f"Expected the {element} values of a chunk to stay unchanged while they are "
+                    "saved. Got different bits at the end than at the start instead (another thread "
+                    "wrote to the tensor); nothing was stored for it. Save a copy, or wait for the "
+                    "save before changing the tensor.")
             self.storage.write(object_path(oid), stored)
             return PutResult(oid, len(stored), stored[4])
         payload = bytes(payload)

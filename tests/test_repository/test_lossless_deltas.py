@@ -142,3 +142,23 @@ def test_a_payload_that_is_not_whole_elements_is_refused() -> None:
         objects.put(b"\x00" * 6, element="float32")
     with pytest.raises(ins.errors.FormatError, match="float element type"):
         objects.put(b"\x00" * 8, element="float64")
+
+
+def test_a_tensor_changed_while_it_is_saved_is_refused_not_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw floats are read where they lie (no copy): bits that change between hashing and
+    coding would make an object whose id does not match it. The put refuses instead."""
+    from inshrink_store.codecs import bytegroup
+
+    objects = cas.ObjectStore(Storage(_url()))
+    data = np.arange(64, dtype=np.float32)
+    real = bytegroup.encode_chunk
+
+    def racing(chunk, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(chunk, *args, **kwargs)
+        data[3] += 1.0  # another thread writes to the tensor mid-save
+        return out
+
+    monkeypatch.setattr(bytegroup, "encode_chunk", racing)
+    with pytest.raises(ins.errors.InvalidInputError, match="unchanged while they are saved"):
+        objects.put(memoryview(data).cast("B"), element="float32")
+    assert objects.storage.list("objects/") == {}
