@@ -38,7 +38,7 @@ MAIN: dict[str, Any] = {
     "excp": Baseline("excp", "joint weight-moment pruning (ExCP style)", baselines.ExcpJoint),
 }
 SHORT_NAMES = {"cnn": "CNN", "lm": "LM", "transfer": "transfer"}
-LOSSLESS_LABELS = {"ours": "ours, lossless (dedup + float codec)", "zipnn": "ZipNN", "zstd": "zstd-3"}
+LOSSLESS_LABELS = {"ours": "ours, lossless (dedup + float codec + XOR against the parent)", "zipnn": "ZipNN", "zstd": "zstd-3"}
 
 _PAPER = MAIN["ours-paper"]
 #: ablations of the paper's setting (lossy resumes, so quality shows): key -> (method, the knob)
