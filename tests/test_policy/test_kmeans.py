@@ -228,3 +228,24 @@ def test_values_at_the_dtypes_largest_give_finite_centres(dtype: str) -> None:
     for include_zero in (False, True):
         centres = fit_codebook(values, 4, include_zero=include_zero, dtype=dtype)
         assert np.all(np.isfinite(centres)) and np.all(np.abs(centres) <= big)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 300), st.integers(1, 20), st.integers(1, 4), st.integers(1, 40),
+       st.floats(-3, 2))
+def test_lloyd_in_lockstep_ends_where_each_start_ends_alone(seed: int, n: int, k: int, restarts: int, iters: int,
+                                                           scale: float) -> None:
+    """The cold fit's starts run together (padded with +inf): every row must give exactly
+    the centres its own run gives, whatever the sizes, duplicates and iteration cap."""
+    from inshrink_store.policy.kmeans import lloyd, lloyd_many
+
+    rng = np.random.default_rng(seed)
+    points = np.unique(rng.standard_t(3, n) * 10.0 ** scale)
+    weights = bucket_weights(points, rng.random(points.size) + (rng.random(points.size) < 0.3) * 5)
+    starts = [np.sort(rng.choice(points, size=min(k, points.size), replace=bool(rng.integers(0, 2))))
+              for _ in range(restarts)]
+    together = lloyd_many(points, weights, starts, iters)
+    alone = [lloyd(points, weights, s, iters) for s in starts]
+    assert len(together) == len(alone)
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b)
