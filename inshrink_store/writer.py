@@ -211,8 +211,9 @@ class _ChunkPipeline:
     parent's chunk where smaller; quantized payloads with zstd or as a delta) and writes it.
     On a local disk or in memory there is one put thread per encoder, since coding is a
     core's work; on an object store ``max(PUT_THREADS, 2 * encoders)``, since a put mostly
-    waits on its request. At most twice as many payloads as put threads wait for a put
-    (each up to a chunk's size: that bounds the memory).
+    waits on its request. At most twice as many payloads as put threads wait for a put, and
+    at most twice as many chunks as encoders wait for an encoder (a writer thread queueing
+    more waits): each up to a chunk's size, that bounds the memory whatever the storage's speed.
 
     The stored bytes are those of zarr's pipeline: the same codec function on the same
     C-order bytes of each chunk, an edge chunk padded with the fill value 0 as zarr pads it,
@@ -229,6 +230,8 @@ class _ChunkPipeline:
         self._encoders: ThreadPoolExecutor | None = None
         self._putters: ThreadPoolExecutor | None = None
         self._slots = threading.BoundedSemaphore(2 * self._puts_wanted)
+        #: chunks queued for an encoder or being encoded, at most (see :meth:`submit`)
+        self._queued = threading.BoundedSemaphore(2 * self._encoders_wanted)
         self._lock = threading.Lock()
         #: (path, chunk index) -> the encode future, whose result is the put future
         self._jobs: dict[tuple[str, int], Future[Future[None]]] = {}
@@ -253,21 +256,34 @@ class _ChunkPipeline:
             if self._encoders is None:
                 self._encoders = ThreadPoolExecutor(self._encoders_wanted, thread_name_prefix="inshrink-encode")
                 self._putters = ThreadPoolExecutor(self._puts_wanted, thread_name_prefix="inshrink-put")
-            for i, coords in enumerate(grid):
-                key = prefix + z.metadata.encode_chunk_key(coords)
-                self._jobs[(path, i)] = self._encoders.submit(
-                    self._encode, key, data, chunk_shape, coords, codec, stored)
+            encoders = self._encoders
+        for i, coords in enumerate(grid):
+            key = prefix + z.metadata.encode_chunk_key(coords)
+            # back-pressure, taken holding no lock: the writer thread waits while the encoders
+            # are behind, so planned tensors (a quantized tensor's values are a new array)
+            # never pile up in the queue when puts are slow (an object store)
+            self._queued.acquire()
+            try:
+                job = encoders.submit(self._encode, key, data, chunk_shape, coords, codec, stored)
+            except BaseException:
+                self._queued.release()
+                raise
+            with self._lock:
+                self._jobs[(path, i)] = job
 
     def _encode(self, key: str, data: np.ndarray, chunk_shape: tuple[int, ...], coords: tuple[int, ...],
                 codec: ChunkEncoder, stored: Callable[[], None]) -> Future[None]:
-        payload = codec(chunk_bytes(data, chunk_shape, coords))
-        self._slots.acquire()  # wait while the most encoded chunks allowed wait for a put
-        assert self._putters is not None
         try:
-            return self._putters.submit(self._put, key, payload, stored)
-        except BaseException:
-            self._slots.release()
-            raise
+            payload = codec(chunk_bytes(data, chunk_shape, coords))
+            self._slots.acquire()  # wait while the most encoded chunks allowed wait for a put
+            assert self._putters is not None
+            try:
+                return self._putters.submit(self._put, key, payload, stored)
+            except BaseException:
+                self._slots.release()
+                raise
+        finally:
+            self._queued.release()
 
     def _put(self, key: str, payload: bytes | memoryview, stored: Callable[[], None]) -> None:
         try:

@@ -212,3 +212,48 @@ def test_quantized_chunks_skip_zarrs_pipeline_and_store_the_same_bytes(tmp_path:
     assert [i.root for i in direct_infos] == [i.root for i in zarr_infos]
     assert sorted(p.name for p in (tmp_path / "direct" / "objects").rglob("*")) == \
         sorted(p.name for p in (tmp_path / "zarr" / "objects").rglob("*"))  # deltas included
+
+
+def test_slow_puts_hold_back_the_writer_threads(memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an object store slower than the encoders, chunks must not pile up in the
+    encoders' queue (a quantized tensor's planned values are a new array each): at most
+    twice as many chunks as encoders are queued or encoding at any time."""
+    import time
+
+    from inshrink_store.policy import QuantConfig
+
+    monkeypatch.setenv("INSHRINK_WRITE_THREADS", "2")
+    rng = np.random.default_rng(5)
+    state = {f"model/w{i}": (rng.standard_normal((64, 64)) * 0.05).astype(np.float32) for i in range(16)}
+    held, peak, lock = [0], [0], threading.Lock()
+
+    class Counting(threading.BoundedSemaphore):
+        def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+            ok = super().acquire(blocking, timeout)
+            with lock:
+                held[0] += 1
+                peak[0] = max(peak[0], held[0])
+            return ok
+
+        def release(self, n: int = 1) -> None:
+            with lock:
+                held[0] -= n
+            super().release(n)
+
+    real_init, real_put = writer._ChunkPipeline.__init__, PendingChunks.put
+
+    def init(self: writer._ChunkPipeline, view: PendingChunks, encoders: int) -> None:
+        real_init(self, view, encoders)
+        self._queued = Counting(2 * self._encoders_wanted)
+
+    def slow_put(self: PendingChunks, key: str, value: object) -> None:
+        if not key.endswith("zarr.json"):
+            time.sleep(0.01)  # an object store's request
+        real_put(self, key, value)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer._ChunkPipeline, "__init__", init)
+    monkeypatch.setattr(PendingChunks, "put", slow_put)
+    info = ins.open(memory_url, create=True).save(state, quantize=QuantConfig(bins=8, min_numel=16))
+    assert peak[0] == 2 * 2  # the bound was reached, and held
+    loaded = ins.open(memory_url).load(info.id)
+    assert all(loaded[k].shape == v.shape for k, v in state.items())
