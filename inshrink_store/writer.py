@@ -34,15 +34,19 @@ import numpy as np
 import xxhash
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec
+from zarr.core.array import AsyncArray
 from zarr.core.array_spec import ArrayConfig
 from zarr.core.buffer import default_buffer_prototype
+from zarr.core.dtype import get_data_type_from_native_dtype
+from zarr.core.group import GroupMetadata
+from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from inshrink_store import cas, dtypes
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec, carrier
 from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.errors import FormatError, InshrinkError
-from inshrink_store.index import ATTR, SnapshotIndex
+from inshrink_store.index import ATTR, METADATA_KEY, SnapshotIndex
 from inshrink_store.parallel import map_in_order
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
@@ -142,6 +146,42 @@ def _create_metadata(store: Any, path: str | None, data: np.ndarray, codecs: Map
     )
 
 
+def array_metadata(data: np.ndarray, codecs: Mapping[str, Any], chunking: Chunking | None = None,
+                   attributes: Mapping[str, Any] | None = None) -> ArrayV3Metadata | None:
+    """The zarr.json that :func:`create_array` writes for ``data``, built without a store
+    (zarr's own constructor and defaults), or None for a dtype zarr has no v3 type for."""
+    chunking = chunking or default_chunks
+    try:
+        dtype = get_data_type_from_native_dtype(data.dtype)
+    except (TypeError, ValueError):
+        return None
+    chain = (*(codecs.get("filters") or ()), codecs["serializer"], *(codecs.get("compressors") or ()))
+    return AsyncArray._create_metadata_v3(  # noqa: SLF001 - what zarr.create_array builds
+        data.shape, dtype, chunking(data.shape, data.dtype.itemsize), fill_value=0, codecs=chain,
+        attributes=dict(attributes or {}))
+
+
+def _put_metadata(view: PendingChunks, path: str, metadata: ArrayV3Metadata) -> None:
+    """Write array ``path``'s zarr.json into ``view`` as ``zarr.create_array(...,
+    overwrite=True)`` does: what the view held under ``path`` (the parent version's array,
+    inherited) goes first, and each missing parent gets an empty group's zarr.json.
+
+    Why not zarr: creating an array through zarr takes about 2 ms of Python holding the
+    GIL (store round trips on its event loop, listing the store to delete the old array),
+    a large share of a save of many small tensors."""
+    view.delete_prefix(f"{path}/")
+    parts = path.split("/")
+    for cut in range(1, len(parts)):
+        key = "/".join(parts[:cut]) + "/" + METADATA_KEY
+        if not view.has(key):
+            view.put(key, _EMPTY_GROUP)
+    view.put(f"{path}/{METADATA_KEY}", metadata.to_buffer_dict(default_buffer_prototype())[METADATA_KEY].to_bytes())
+
+
+#: an empty group's zarr.json, as zarr writes it for a missing parent
+_EMPTY_GROUP = GroupMetadata().to_buffer_dict(default_buffer_prototype())[METADATA_KEY].to_bytes()
+
+
 #: chunk objects the direct path stores at once, at least: a put waits on a fsync (local
 #: disk) or a request (object stores), not on a core, so there are more of them than
 #: encoders (twice the encoders where that is more: zarr's pipeline had cores + 4, up to 32)
@@ -152,15 +192,15 @@ PUT_THREADS = 8
 ChunkEncoder = Callable[[np.ndarray], bytes | memoryview]
 
 
-def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: zarr.Array | None = None,
-                  ) -> ChunkEncoder | None:
+def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any],
+                  metadata: ArrayV3Metadata | None = None) -> ChunkEncoder | None:
     """How ``data``'s chunks may skip zarr's codec pipeline (see :class:`_ChunkPipeline`), or
     None: a write session's store and one of the two chains the writer itself picks, with
     elements already in the codec's little-endian carrier:
 
     - zarr's ``bytes`` serializer and the bytegroup codec alone (lossless floats);
     - the ``inshrink.nuq`` serializer and no compressor (quantized tensors): the quantizer
-      the codec itself would use for the array ``z`` (needed for this chain), its
+      the codec itself would use for the array of ``metadata`` (needed for this chain), its
       :meth:`~inshrink_store.codecs.nuq.Quantizer.encode_array` on the chunk's elements,
       as ``NUQZarrCodec``'s zarr encode calls it."""
     compressors: Sequence[Any] = codecs.get("compressors") or ()
@@ -177,8 +217,8 @@ def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any], z: za
         # raw bits: the chunk's bytes are the payload (the object store codes floats itself)
         little = data.dtype.byteorder in ("<", "|") or (data.dtype.byteorder == "=" and sys.byteorder == "little")
         return _raw_bytes if little else None
-    if isinstance(serializer, NUQZarrCodec) and not compressors and z is not None:
-        spec = z.metadata.get_chunk_spec((0,) * data.ndim, ArrayConfig.from_dict({}), default_buffer_prototype())
+    if isinstance(serializer, NUQZarrCodec) and not compressors and metadata is not None:
+        spec = metadata.get_chunk_spec((0,) * data.ndim, ArrayConfig.from_dict({}), default_buffer_prototype())
         quantizer = serializer._quantizer(spec)  # noqa: SLF001 - the codec's own choice, validated
         element = dtypes.by_codec_name(quantizer.dtype).carrier.newbyteorder("<")
         if data.dtype.kind not in "fu" or data.dtype.itemsize != element.itemsize or data.dtype.byteorder == ">":
@@ -236,13 +276,13 @@ class _ChunkPipeline:
         #: (path, chunk index) -> the encode future, whose result is the put future
         self._jobs: dict[tuple[str, int], Future[Future[None]]] = {}
 
-    def submit(self, path: str, z: zarr.Array, data: np.ndarray, codec: ChunkEncoder,
+    def submit(self, path: str, metadata: ArrayV3Metadata, data: np.ndarray, codec: ChunkEncoder,
                done: Callable[[], None]) -> None:
-        """Queue every chunk of tensor ``path``, array ``z`` (its zarr.json already written)
+        """Queue every chunk of tensor ``path`` (its zarr.json, ``metadata``, already written)
         with values ``data``; ``done()`` runs once its last chunk is stored."""
-        chunk_shape = tuple(z.chunks)
+        chunk_shape = tuple(metadata.chunks)
         grid = list(itertools.product(*(range(-(-size // c)) for size, c in zip(data.shape, chunk_shape, strict=True))))
-        prefix = f"{z.path}/" if z.path else ""
+        prefix = f"{path}/"
         left = [len(grid)]
 
         def stored() -> None:
@@ -258,7 +298,7 @@ class _ChunkPipeline:
                 self._putters = ThreadPoolExecutor(self._puts_wanted, thread_name_prefix="inshrink-put")
             encoders = self._encoders
         for i, coords in enumerate(grid):
-            key = prefix + z.metadata.encode_chunk_key(coords)
+            key = prefix + metadata.encode_chunk_key(coords)
             # back-pressure, taken holding no lock: the writer thread waits while the encoders
             # are behind, so planned tensors (a quantized tensor's values are a new array)
             # never pile up in the queue when puts are slow (an object store)
@@ -378,14 +418,14 @@ def write_arrays(
         # the parent stored these exact bits the same way: take its chunks, encode nothing
         adopted = plan is None and _parent_content(store, path) == meta["content"] and store.adopt_from_parent(path)
         if not adopted:
-            z = _create_metadata(store, path, data, codecs, chunking, {ATTR: meta})
-            direct = None if chunks is None else _direct_codec(store, data, codecs, z)
+            metadata = None if chunks is None else array_metadata(data, codecs, chunking, {ATTR: meta})
+            direct = None if metadata is None else _direct_codec(store, data, codecs, metadata)
             if direct is not None:
-                assert chunks is not None
-                chunks.submit(path, z, data, direct, lambda: written(path))
+                assert chunks is not None and metadata is not None and isinstance(store.view, PendingChunks)
+                _put_metadata(store.view, path, metadata)
+                chunks.submit(path, metadata, data, direct, lambda: written(path))
                 return
-            if data.size:
-                z[...] = data
+            create_array(store, path, data, codecs, chunking, {ATTR: meta})
         written(path)
 
     def recorded(path: str) -> None:

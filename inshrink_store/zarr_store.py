@@ -217,6 +217,12 @@ class PendingChunks:
                 return raw_float_element(entry.inline)
         return None
 
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under ``prefix`` (an array being written anew)."""
+        with self._lock:
+            for key in [k for k in self.entries if k.startswith(prefix)]:
+                del self.entries[key]
+
     def delete(self, key: str) -> None:
         with self._lock:
             self.entries.pop(key, None)

@@ -257,3 +257,23 @@ def test_slow_puts_hold_back_the_writer_threads(memory_url: str, monkeypatch: py
     assert peak[0] == 2 * 2  # the bound was reached, and held
     loaded = ins.open(memory_url).load(info.id)
     assert all(loaded[k].shape == v.shape for k, v in state.items())
+
+
+def test_an_array_written_anew_drops_its_parents_chunks_and_keeps_its_groups(memory_url: str) -> None:
+    """The writer's own zarr.json path (no zarr.create_array) must do what create_array's
+    overwrite does: a tensor that shrinks keeps none of the parent version's chunk keys, and
+    every group above a tensor exists, so plain zarr lists the hierarchy."""
+    repo = ins.open(memory_url, create=True)
+    rng = np.random.default_rng(9)
+    big = rng.standard_normal((1100, 1030)).astype(np.float32)  # two chunks
+    repo.save({"a/b/w": big, "a/x": np.ones(3, np.float32)})
+    small = rng.standard_normal((5, 7)).astype(np.float32)
+    tx = repo.transaction()  # inherits the parent's arrays: a/b/w's two chunks are in its view
+    tx.write({"a/b/w": small})
+    info = tx.commit()
+    reader = ins.open(repo.url).checkout(info.id)
+    assert list(reader.arrays()["a/b/w"].chunk_ids) == ["c/0/0"]
+    assert reader.load()["a/b/w"].tobytes() == small.tobytes()
+    assert reader.load()["a/x"].tobytes() == np.ones(3, np.float32).tobytes()  # inherited
+    group = zarr.open_group(store=reader.store, mode="r")
+    assert sorted(group.group_keys()) == ["a"] and sorted(group["a"].group_keys()) == ["b"]  # type: ignore[union-attr]
