@@ -19,6 +19,7 @@ the stored bytes are the same either way.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -152,13 +153,20 @@ def array_metadata(data: np.ndarray, codecs: Mapping[str, Any], chunking: Chunki
     (zarr's own constructor and defaults), or None for a dtype zarr has no v3 type for."""
     chunking = chunking or default_chunks
     try:
-        dtype = get_data_type_from_native_dtype(data.dtype)
+        dtype = _zarr_dtype(data.dtype)
     except (TypeError, ValueError):
         return None
     chain = (*(codecs.get("filters") or ()), codecs["serializer"], *(codecs.get("compressors") or ()))
     return AsyncArray._create_metadata_v3(  # noqa: SLF001 - what zarr.create_array builds
         data.shape, dtype, chunking(data.shape, data.dtype.itemsize), fill_value=0, codecs=chain,
         attributes=dict(attributes or {}))
+
+
+@functools.lru_cache(maxsize=64)
+def _zarr_dtype(dtype: np.dtype[Any]) -> Any:
+    """zarr's data type for a numpy dtype (its registry lookup costs ~0.7 ms; the types are
+    immutable values, so one per numpy dtype serves every array)."""
+    return get_data_type_from_native_dtype(dtype)
 
 
 def _put_metadata(view: PendingChunks, path: str, metadata: ArrayV3Metadata) -> None:
@@ -175,7 +183,9 @@ def _put_metadata(view: PendingChunks, path: str, metadata: ArrayV3Metadata) -> 
         key = "/".join(parts[:cut]) + "/" + METADATA_KEY
         if not view.has(key):
             view.put(key, _EMPTY_GROUP)
-    view.put(f"{path}/{METADATA_KEY}", metadata.to_buffer_dict(default_buffer_prototype())[METADATA_KEY].to_bytes())
+    # the document zarr's to_buffer_dict writes, without its indentation (the view stores
+    # zarr.json compact anyway): json's C encoder instead of its Python one
+    view.put(f"{path}/{METADATA_KEY}", json.dumps(metadata.to_dict(), allow_nan=True, separators=(",", ":")).encode())
 
 
 #: an empty group's zarr.json, as zarr writes it for a missing parent
