@@ -262,7 +262,7 @@ class _ChunkPipeline:
     On a local disk or in memory there is one put thread per encoder, since coding is a
     core's work; on an object store ``max(PUT_THREADS, 2 * encoders)``, since a put mostly
     waits on its request. At most twice as many payloads as put threads wait for a put, and
-    at most twice as many chunks as encoders wait for an encoder (a writer thread queueing
+    at most as many chunks as there are encoders are queued or encoding (a writer thread queueing
     more waits): each up to a chunk's size, that bounds the memory whatever the storage's speed.
 
     The stored bytes are those of zarr's pipeline: the same codec function on the same
@@ -281,7 +281,7 @@ class _ChunkPipeline:
         self._putters: ThreadPoolExecutor | None = None
         self._slots = threading.BoundedSemaphore(2 * self._puts_wanted)
         #: chunks queued for an encoder or being encoded, at most (see :meth:`submit`)
-        self._queued = threading.BoundedSemaphore(2 * self._encoders_wanted)
+        self._queued = threading.BoundedSemaphore(self._encoders_wanted)
         self._lock = threading.Lock()
         #: (path, chunk index) -> the encode future, whose result is the put future
         self._jobs: dict[tuple[str, int], Future[Future[None]]] = {}
