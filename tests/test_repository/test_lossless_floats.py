@@ -121,16 +121,23 @@ def _layouts() -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return state, {"w/bf16": "BF16"}
 
 
-def test_the_writer_stores_what_zarrs_codec_pipeline_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    state, declared = _layouts()
-    submitted: list[str] = []
+@pytest.fixture
+def submitted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The tensors the writer's direct path queued (paths, in order)."""
+    paths: list[str] = []
     submit = writer._ChunkPipeline.submit
 
     def spy(self: writer._ChunkPipeline, path: str, *args: object, **kwargs: object) -> None:
-        submitted.append(path)
+        paths.append(path)
         submit(self, path, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer._ChunkPipeline, "submit", spy)
+    return paths
+
+
+def test_the_writer_stores_what_zarrs_codec_pipeline_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            submitted: list[str]) -> None:
+    state, declared = _layouts()
     direct = ins.open(str(tmp_path / "direct"), create=True).save(state, dtypes=declared)
     assert sorted(submitted) == sorted(p for p in state if p not in ("w/empty", "w/ints"))
     monkeypatch.setattr(writer, "_direct_codec", lambda *args: None)  # every chunk through zarr
@@ -182,7 +189,8 @@ def test_a_failed_chunk_put_fails_the_save_after_every_chunk_ended(local_url: st
 
 
 def test_quantized_chunks_skip_zarrs_pipeline_and_store_the_same_bytes(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       submitted: list[str]) -> None:
     """The nuq chain through the direct path: keyframes and deltas against the parent
     (two versions), several chunks with a partial edge chunk, float16 and bfloat16."""
     from inshrink_store.policy import QuantConfig
@@ -193,14 +201,6 @@ def test_quantized_chunks_skip_zarrs_pipeline_and_store_the_same_bytes(tmp_path:
     second = {k: (v + (rng.standard_normal(v.shape) * 1e-3).astype(v.dtype)) if v.dtype.kind == "f" else v
               for k, v in state.items()}
     config = QuantConfig(bins=16, protect=0.01, min_numel=16)
-    submitted: list[str] = []
-    submit = writer._ChunkPipeline.submit
-
-    def spy(self: writer._ChunkPipeline, path: str, *args: object, **kwargs: object) -> None:
-        submitted.append(path)
-        submit(self, path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(writer._ChunkPipeline, "submit", spy)
     direct = ins.open(str(tmp_path / "direct"), create=True)
     direct_infos = [direct.save(s, dtypes=declared, quantize=config) for s in (state, second)]
     assert set(submitted) >= {"w/c_order", "w/long", "w/f16", "w/three_d"}
