@@ -271,25 +271,33 @@ class ObjectStore:
     def _encode_floats(self, payload: memoryview, base: str | None, element: str) -> bytes:
         """Coder 3: the payload's byte planes coded apart; a delta when a plane codes smaller
         as the XOR with the base payload's (same element count: the same tensor's chunk one
-        version back) and the whole is clearly smaller than the keyframe."""
-        coder, body = keyframe_body(payload, element)
-        whole = _frame(KIND_WHOLE, coder, 0, payload, None, body)
-        if coder != CODER_BYTEGROUP or base is None or base == content_id(payload):
-            return whole
+        version back) and the whole is clearly smaller than the keyframe. With a usable base,
+        the keyframe and the delta come from one coding of the planes."""
+        _check_floats(payload, element)
+        base_payload, depth = self._float_base(payload, base)
+        if base_payload is None:
+            coder, body = keyframe_body(payload, element)
+            return _frame(KIND_WHOLE, coder, 0, payload, None, body)
+        keyframe, delta = bytegroup.encode_keyframe_and_delta(
+            np.frombuffer(payload, np.uint8), element, LOSSLESS_LEVEL, "zstd+huffman",
+            base=np.frombuffer(base_payload, np.uint8))
+        if delta is None or not worth_delta(len(delta), len(keyframe)):
+            return _frame(KIND_WHOLE, CODER_BYTEGROUP, 0, payload, None, keyframe)
+        return _frame(KIND_DELTA, CODER_BYTEGROUP, depth + 1, payload, base, delta)
+
+    def _float_base(self, payload: memoryview, base: str | None) -> tuple[bytes | None, int]:
+        """(the base's payload, its depth) when raw floats can be coded against object
+        ``base``: another object of the same size whose chain stays under the keyframe
+        interval; (None, 0) otherwise (a keyframe is always correct)."""
+        if base is None or not len(payload) or base == content_id(payload):
+            return None, 0
         try:
             base_header = self.header(base)
             if base_header.depth + 1 >= self.keyframe_interval or base_header.logical_length != len(payload):
-                return whole
-            base_payload = self.get(base)
+                return None, 0
+            return self.get(base), base_header.depth
         except (FormatError, NotFoundError, IntegrityError):
-            return whole  # an unreadable base: a keyframe is always correct
-        data = np.frombuffer(payload, np.uint8)
-        delta = bytegroup.encode_chunk(data, element, LOSSLESS_LEVEL, "zstd+huffman",
-                                       base=np.frombuffer(base_payload, np.uint8))
-        uses_base = bool(bytegroup.parse(np.frombuffer(delta, np.uint8))[1] & bytegroup.FLAG_BASE)
-        if not uses_base or not worth_delta(len(delta), len(body)):
-            return whole
-        return _frame(KIND_DELTA, CODER_BYTEGROUP, base_header.depth + 1, payload, base, delta)
+            return None, 0  # an unreadable base
 
     # -- reading ---------------------------------------------------------------------
     def read_stored(self, oid: str) -> bytes:
@@ -409,10 +417,7 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
     byte (whichever is smaller; the plain form on a tie); anything else raw. The search's
     ratio estimate calls this too, so it measures what is stored."""
     if element is not None:
-        if element not in ELEMENTS:
-            raise FormatError(f"Expected a float element type in {list(ELEMENTS)}. Got {element!r} instead.")
-        if len(payload) % bytegroup.carrier(element).itemsize:
-            raise FormatError(f"Expected whole {element} elements. Got a payload of {len(payload)} bytes instead.")
+        _check_floats(payload, element)
         if not len(payload):
             return CODER_NONE, b""
         return CODER_BYTEGROUP, bytegroup.encode_chunk(np.frombuffer(payload, np.uint8), element,
@@ -426,6 +431,14 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
         if len(packed) < len(body):
             return CODER_PACKED_ZSTD, packed
     return CODER_ZSTD, body
+
+
+def _check_floats(payload: bytes | memoryview, element: str) -> None:
+    """A payload of raw floats must be whole elements of a type coder 3 codes."""
+    if element not in ELEMENTS:
+        raise FormatError(f"Expected a float element type in {list(ELEMENTS)}. Got {element!r} instead.")
+    if len(payload) % bytegroup.carrier(element).itemsize:
+        raise FormatError(f"Expected whole {element} elements. Got a payload of {len(payload)} bytes instead.")
 
 
 def _frame(

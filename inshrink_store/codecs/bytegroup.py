@@ -193,6 +193,21 @@ def _check_coder(coder: Any) -> str:
 
 def encode_chunk(data: np.ndarray, dtype: str, level: int, coder: str, base: np.ndarray | None = None) -> bytes:
     """The encoded chunk for the flat uint8 bytes ``data`` of ``dtype`` elements (checked sizes)."""
+    keyframe, delta = _encode_both(data, dtype, level, coder, base)
+    return keyframe if delta is None else delta
+
+
+def encode_keyframe_and_delta(data: np.ndarray, dtype: str, level: int, coder: str,
+                              base: np.ndarray | None = None) -> tuple[bytes, bytes | None]:
+    """(the chunk coded on its own, the chunk with a plane XORed with ``base``'s wherever
+    that is strictly smaller, or None when no plane is): both from one split of the planes
+    and one coding of each plane on its own, so choosing between a keyframe and a delta
+    costs the XOR trials only."""
+    return _encode_both(data, dtype, level, coder, base)
+
+
+def _encode_both(data: np.ndarray, dtype: str, level: int, coder: str,
+                 base: np.ndarray | None) -> tuple[bytes, bytes | None]:
     version = VERSION_OF_CODER[coder]
     itemsize = carrier(dtype).itemsize
     n = data.size // itemsize
@@ -202,8 +217,8 @@ def encode_chunk(data: np.ndarray, dtype: str, level: int, coder: str, base: np.
     if base is not None:
         base_planes = split_planes(sign_last(base, itemsize) if flags else base, itemsize)
     compressor = zstandard.ZstdCompressor(level=level)
-    table: list[bytes] = []
-    bodies: list[_planes.Body] = []  # a raw plane is joined as it is: no copy of its own
+    plain: list[tuple[int, _planes.Body]] = []  # a raw plane is joined as it is: no copy of its own
+    mixed: list[tuple[int, _planes.Body]] = []
     for i, plane in enumerate(planes):
         body: _planes.Body
         if version >= 2:
@@ -214,17 +229,24 @@ def encode_chunk(data: np.ndarray, dtype: str, level: int, coder: str, base: np.
                 zstd_body = compressor.compress(_buffer(plane))
                 if len(zstd_body) < plane.nbytes:
                     method, body = ZSTD, zstd_body
+        plain.append((method, body))
         if base_planes is not None and n:
             xored = compressor.compress(_buffer(np.bitwise_xor(plane, base_planes[i])))
             if len(xored) < _planes.body_length(body):  # strictly smaller wins: ties keep the plain method
                 method, body = XOR_ZSTD, xored
-        flags |= FLAG_BASE if method in (XOR_RAW, XOR_ZSTD) else 0
-        table.append(PLANE.pack(method, _planes.body_length(body)))
-        bodies.append(body)
-    base_hash = xxhash.xxh3_64_intdigest(_buffer(base)) if base is not None and flags & FLAG_BASE else 0
-    header = HEADER.pack(MAGIC, version, DTYPE_CODES[dtype], flags, itemsize, n,
-                         xxhash.xxh3_64_intdigest(_buffer(data)), base_hash)
-    return _planes.join((header, *table, *bodies))
+        mixed.append((method, body))
+    checksum = xxhash.xxh3_64_intdigest(_buffer(data))
+
+    def assemble(chosen: list[tuple[int, _planes.Body]], chunk_flags: int, base_hash: int) -> bytes:
+        header = HEADER.pack(MAGIC, version, DTYPE_CODES[dtype], chunk_flags, itemsize, n, checksum, base_hash)
+        table = [PLANE.pack(method, _planes.body_length(body)) for method, body in chosen]
+        return _planes.join((header, *table, *(body for _, body in chosen)))
+
+    keyframe = assemble(plain, flags, 0)
+    if not any(method in (XOR_RAW, XOR_ZSTD) for method, _ in mixed):
+        return keyframe, None
+    assert base is not None
+    return keyframe, assemble(mixed, flags | FLAG_BASE, xxhash.xxh3_64_intdigest(_buffer(base)))
 
 
 class ByteGroup(Codec):

@@ -307,3 +307,21 @@ def test_other_dtypes_keep_blosc_and_floats_are_raw_bits_for_the_object_store():
                            (np.zeros(3, np.float16), None)):
         codecs = lossless_codecs(array, logical)
         assert codecs["compressors"] is None and codecs["serializer"].to_dict()["name"] == "bytes"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["float32", "float16", "bfloat16"]), st.integers(0, 300), st.integers(0, 2**31 - 1),
+       st.integers(0, 40))
+def test_keyframe_and_delta_in_one_go_are_the_two_separate_encodings(dtype: str, n: int, seed: int, flips: int) -> None:
+    from inshrink_store.codecs.bytegroup import encode_chunk, encode_keyframe_and_delta
+
+    itemsize = 4 if dtype == "float32" else 2
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * itemsize, dtype=np.uint8)
+    data = base.copy()
+    if data.size:
+        data[rng.integers(0, data.size, flips)] ^= rng.integers(1, 256, flips, dtype=np.uint8)
+    keyframe, delta = encode_keyframe_and_delta(data, dtype, 1, "zstd+huffman", base=base)
+    assert keyframe == encode_chunk(data, dtype, 1, "zstd+huffman")
+    with_base = encode_chunk(data, dtype, 1, "zstd+huffman", base=base)
+    assert (delta if delta is not None else keyframe) == with_base

@@ -27,15 +27,17 @@ def _state(seed: int = 0) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def encoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the float chunks the bytegroup codec encodes."""
+    """Counts the float chunks the bytegroup codec encodes (alone, or as a keyframe and a
+    delta against the parent's chunk in one go)."""
     calls: list[int] = []
-    real = bytegroup.encode_chunk
+    for name in ("encode_chunk", "encode_keyframe_and_delta"):
+        real = getattr(bytegroup, name)
 
-    def counting(data, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(data.size)
-        return real(data, *args, **kwargs)
+        def counting(data, *args, real=real, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(data.size)
+            return real(data, *args, **kwargs)
 
-    monkeypatch.setattr(bytegroup, "encode_chunk", counting)
+        monkeypatch.setattr(bytegroup, name, counting)
     return calls
 
 
