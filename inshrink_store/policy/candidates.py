@@ -1,11 +1,14 @@
-"""The candidates of one checkpoint: each configuration's plans, made whole and measured.
+"""The candidates of one checkpoint: each configuration's ratio, and its plans when asked.
 
 :class:`CandidatePlanner` quantizes every eligible tensor under one configuration at
 once and returns a :class:`PlanSet` with its measured ratio; it is a repository planner
-too. :class:`Candidates` serves a search over one state: it shares the sketches and
-codebooks of all configurations (a :class:`PartitionCache`), keeps only the most
-recent few PlanSets (each is a quantized copy of the model) and remembers every ratio,
-so re-planning an evicted candidate is cheap and never changes its answer.
+too. :class:`Candidates` serves a search over one state: it shares the sketches, counts
+and codebooks of all configurations (a :class:`PartitionCache`), estimates each
+configuration's ratio from them without quantizing anything
+(:mod:`inshrink_store.policy.estimate`), plans only the configurations the search
+evaluates, keeps the most recent few PlanSets (each is a quantized copy of the model)
+and remembers every ratio, so re-planning an evicted candidate is cheap and never
+changes its answer.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import numpy as np
 
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.config import QuantConfig
+from inshrink_store.policy.estimate import estimated_bytes
 from inshrink_store.policy.moments import AdamHyper
 from inshrink_store.policy.partition import PartitionCache, StateQuantizer
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
-from inshrink_store.policy.ratio import RatioEstimator
+from inshrink_store.policy.ratio import RatioEstimator, ratio_of
 from inshrink_store.writer import ArrayPlan
 
 #: candidate plan sets held at once during a search (each about the model's size)
@@ -46,8 +50,11 @@ class CandidatePlanner:
 
     def __init__(self, config: QuantConfig, *, sensitivity: Mapping[str, np.ndarray] | None = None,
                  module_kinds: Mapping[str, str] | None = None, scope: str = "model/",
-                 cache: PartitionCache | None = None, estimator: RatioEstimator | None = None) -> None:
+                 cache: PartitionCache | None = None, estimator: RatioEstimator | None = None,
+                 measure: bool = True) -> None:
         self.config, self.scope, self.cache, self.estimator = config, scope, cache, estimator
+        #: encode the plans to measure their stored bytes (False: ``stored_bytes`` is None)
+        self.measure = measure
         self.sensitivity: Mapping[str, np.ndarray] = sensitivity or {}
         self.module_kinds: Mapping[str, str] = module_kinds or {}
 
@@ -59,14 +66,17 @@ class CandidatePlanner:
         plans = {p: _frozen(array_plan(quantizer.quantize(p), dtypes[p], self.config.protected_dtype))
                  for p in quantizer.names}
         estimator = self.estimator or RatioEstimator(tensors, self.scope, dtypes)
-        return PlanSet(self.config, plans, estimator.logical_bytes, estimator.stored_bytes(plans))
+        stored = estimator.stored_bytes(plans) if self.measure else None
+        return PlanSet(self.config, plans, estimator.logical_bytes, stored)
 
 
 class Candidates:
-    """One state's candidate PlanSets by configuration (the search's view of the model).
+    """One state's candidate configurations (the search's view of the model).
 
-    ``keep`` PlanSets are held at once, least recently used evicted first; ratios are
-    remembered for every configuration ever planned.
+    :meth:`ratio` is the estimate the search ranks by (nothing is quantized);
+    :meth:`plans` quantizes a configuration (for an evaluation or the write) without
+    encoding it; :meth:`measured_ratio` encodes one. ``keep`` PlanSets are held at once,
+    least recently used evicted first; ratios are remembered for every configuration.
     """
 
     def __init__(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
@@ -88,6 +98,7 @@ class Candidates:
         self.estimator = RatioEstimator(tensors, scope, dtypes)
         self._held: OrderedDict[QuantConfig, PlanSet] = OrderedDict()
         self._ratios: dict[QuantConfig, float] = {}
+        self._measured: dict[QuantConfig, float] = {}
 
     @property
     def metrics_available(self) -> tuple[str, ...]:
@@ -95,19 +106,43 @@ class Candidates:
         return ("magnitude", "sensitivity") if self.sensitivity else ("magnitude",)
 
     def plans(self, config: QuantConfig) -> PlanSet:
-        """The PlanSet of ``config`` (made now unless held)."""
+        """The PlanSet of ``config`` (made now unless held), not encoded: ``stored_bytes`` is
+        None (:meth:`measured_ratio` encodes it)."""
         if config in self._held:
             self._held.move_to_end(config)
             return self._held[config]
         planner = CandidatePlanner(config, sensitivity=self.sensitivity, module_kinds=self.module_kinds,
-                                   scope=self.scope, cache=self.cache, estimator=self.estimator)
+                                   scope=self.scope, cache=self.cache, estimator=self.estimator, measure=False)
         made = self._held[config] = planner.plan(self.tensors, self.dtypes, self.previous)
         while len(self._held) > self.keep:
             self._held.popitem(last=False)
         return made
 
+    def quantizer(self, config: QuantConfig) -> StateQuantizer:
+        """The state's quantizer under ``config`` (thresholds pooled; nothing quantized yet)."""
+        paths = eligible(self.tensors, self.dtypes, config.min_numel, self.scope)
+        inputs = tensor_inputs(paths, self.tensors, self.dtypes, self.previous, self.sensitivity, self.module_kinds)
+        return StateQuantizer(inputs, config, cache=self.cache)
+
+    def estimated_bytes(self, config: QuantConfig) -> int:
+        """Bytes the scope's tensors would take under ``config``, estimated from the sketches
+        (quantized tensors, :func:`~inshrink_store.policy.estimate.estimated_bytes`) and the
+        measured lossless bytes of the others."""
+        quantizer = self.quantizer(config)
+        quantized = sum(estimated_bytes(quantizer.part(p), quantizer.fresh_codebook(p)) for p in quantizer.names)
+        return quantized + sum(self.estimator.lossless_bytes_of(p) for p in self.estimator.paths
+                               if p not in quantizer.chosen)
+
     def ratio(self, config: QuantConfig) -> float:
-        """The measured ratio of ``config`` (planned once, remembered after eviction)."""
+        """The estimated ratio of ``config`` (no tensor is quantized; remembered): what the
+        search ranks candidates by."""
         if config not in self._ratios:
-            self._ratios[config] = self.plans(config).ratio
+            self._ratios[config] = ratio_of(self.estimator.logical_bytes, self.estimated_bytes(config))
         return self._ratios[config]
+
+    def measured_ratio(self, config: QuantConfig) -> float:
+        """The ratio of ``config`` measured by encoding its plans as the store does (remembered)."""
+        if config not in self._measured:
+            made = self.plans(config)
+            self._measured[config] = ratio_of(self.estimator.logical_bytes, self.estimator.stored_bytes(made))
+        return self._measured[config]

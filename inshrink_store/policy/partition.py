@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -33,8 +33,9 @@ from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.sketch import BLOCK, LogSketch
 
 __all__ = [
-    "LAYER_TYPES", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
-    "protected_mask", "prune_thresholds", "quantize_state", "quantize_tensor",
+    "LAYER_TYPES", "Part", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
+    "fresh_codebook", "part_key", "protected_mask", "protected_words", "prune_thresholds", "quantize_state",
+    "quantize_tensor", "tensor_part",
 ]
 
 LAYER_TYPES = ("linear", "conv", "embedding", "norm", "other")
@@ -240,12 +241,15 @@ def _previous(prev: Any, dtype: str, include_zero: bool, levels: int) -> np.ndar
 
 
 def _choose_codebook(w: np.ndarray, rest: np.ndarray, levels: int, include_zero: bool, dtype: str,
-                     previous: Any, tolerance: float, sketch: LogSketch | None = None) -> tuple[np.ndarray, bool]:
+                     previous: Any, tolerance: float, sketch: LogSketch | None = None,
+                     fresh: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """Fresh fit, or the previous codebook when it is within ``tolerance`` of the fresh one's
-    error, or a refit warm-started from the previous codebook (fresh when that is worse)."""
+    error, or a refit warm-started from the previous codebook (fresh when that is worse).
+    ``fresh``: the fresh fit when it is already made (:func:`fresh_codebook`)."""
     if sketch is None:
         sketch = LogSketch.from_values(w, mask=rest)
-    fresh = fit_codebook(None, levels, include_zero=include_zero, sketch=sketch, dtype=dtype)
+    if fresh is None:
+        fresh = fit_codebook(None, levels, include_zero=include_zero, sketch=sketch, dtype=dtype)
     prev = _previous(previous, dtype, include_zero, min(levels, max(fresh.size, 1)))
     if prev is None:
         prev = _previous(previous, dtype, include_zero, levels)
@@ -297,25 +301,56 @@ def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
     return (float(np.sqrt(num / den)) if den > 0 else 0.0), peak
 
 
+@dataclass(frozen=True)
+class Part:
+    """What one tensor's masks leave under one protect / prune / metric: the sketch of the
+    rest (the values a codebook quantizes) and how many elements are protected and pruned.
+    Enough to fit the codebook and to estimate the stored bytes without quantizing
+    (:mod:`inshrink_store.policy.estimate`)."""
+
+    sketch: LogSketch
+    protected: int
+    pruned: int
+    size: int
+    #: the protected elements as the payload stores them: words of ``protected_dtype``, in
+    #: element order (few: 0.05-2 % of the tensor). The top values by magnitude are far from
+    #: random bytes, and the keyframe coder codes them in one stream with the ids, so the
+    #: estimate codes these very words rather than assume a size for them.
+    protected_words: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint16))
+    protected_dtype: str = "bfloat16"
+
+
+def protected_words(w: np.ndarray, protected: np.ndarray, protected_dtype: str) -> np.ndarray:
+    """The protected elements' words in ``protected_dtype``, in element order (a gather of few)."""
+    return np.ascontiguousarray(dtype_registry.by_codec_name(protected_dtype).from_float32(w[protected]))
+
+
 class PartitionCache:
-    """Sketches of the quantized rest, shared by several configurations of one state.
+    """Parts (sketches of the quantized rest and their counts) and codebooks, shared by
+    several configurations of one state.
 
     The search quantizes the same tensors under many configurations; those with the same
     protect / prune / metric have the same rest, hence the same sketch, the costliest
-    step of fitting a codebook. Only sketches are kept (a few KB each), never masks or
-    values, so a cache costs no model-sized memory. Results are identical with or without
-    one. Keep one per checkpoint (keys are tensor names)."""
+    step of fitting a codebook. Only sketches, counts and codebooks are kept (a few KB
+    each), never masks or values, so a cache costs no model-sized memory. Results are
+    identical with or without one. Keep one per checkpoint (keys are tensor names)."""
 
     def __init__(self) -> None:
         self._sketches: dict[tuple[Any, ...], LogSketch] = {}
-        self._codebooks: dict[tuple[Any, ...], tuple[np.ndarray, bool]] = {}
+        self._parts: dict[tuple[Any, ...], Part] = {}
+        self._codebooks: dict[tuple[Any, ...], Any] = {}
 
     def sketch(self, key: tuple[Any, ...], build: Any) -> LogSketch:
         if key not in self._sketches:
             self._sketches[key] = build()
         return self._sketches[key]
 
-    def codebook(self, key: tuple[Any, ...], build: Any) -> tuple[np.ndarray, bool]:
+    def part(self, key: tuple[Any, ...], build: Any) -> Part:
+        if key not in self._parts:
+            self._parts[key] = build()
+        return self._parts[key]
+
+    def codebook(self, key: tuple[Any, ...], build: Any) -> Any:
         """A fitted codebook (and whether it reused the previous one), a few floats each."""
         if key not in self._codebooks:
             self._codebooks[key] = build()
@@ -331,13 +366,64 @@ def _masks(w: np.ndarray, t: TensorInput, config: QuantSettings,
     return protected, pruned
 
 
+def part_key(name: str, t: TensorInput, config: QuantSettings,
+             prune_threshold: float | None) -> tuple[Any, ...]:
+    """The cache key of a tensor's :class:`Part`: the rest is fixed by protect / threshold / metric
+    (the protected dtype is the part's last field: only its ``protected_bytes`` depend on it)."""
+    return (name, config.protect, prune_threshold, _metric(t, config) if prune_threshold is not None else None)
+
+
+def _new_part(w: np.ndarray, protected: np.ndarray, pruned: np.ndarray, sketch: LogSketch,
+              protected_dtype: str) -> Part:
+    words = protected_words(w, protected, protected_dtype)
+    return Part(sketch, int(words.size), _count(pruned), int(w.size), words, protected_dtype)
+
+
+def _count(mask: np.ndarray) -> int:
+    return int(np.count_nonzero(mask))
+
+
+def tensor_part(t: TensorInput, config: QuantSettings, prune_threshold: float | None = None, *,
+                cache: PartitionCache | None = None, name: str | None = None) -> Part:
+    """The tensor's :class:`Part` under ``config``: its masks are computed, counted and
+    sketched, then dropped (with ``cache`` and ``name``, once per protect / prune / metric)."""
+    def build() -> Part:
+        w = _as_float32(t)
+        protected, pruned = _masks(w, t, config, prune_threshold)
+        rest = ~(protected | pruned)
+        if cache is not None and name is not None:
+            sketch = cache.sketch(part_key(name, t, config, prune_threshold),
+                                  lambda: LogSketch.from_values(w, mask=rest))
+        else:
+            sketch = LogSketch.from_values(w, mask=rest)
+        return _new_part(w, protected, pruned, sketch, config.protected_dtype)
+
+    if cache is None or name is None:
+        return build()
+    return cache.part((*part_key(name, t, config, prune_threshold), config.protected_dtype), build)
+
+
+def fresh_codebook(part: Part, levels: int, include_zero: bool, dtype: str, *,
+                   cache: PartitionCache | None = None, key: tuple[Any, ...] | None = None) -> np.ndarray:
+    """The codebook fitted afresh to a part's sketch (no previous codebook): what a tensor
+    gets without history, and what the byte estimate of a candidate assumes. With ``cache``
+    and the part's ``key``, fitted once per part and level count."""
+    def fit() -> np.ndarray:
+        return fit_codebook(None, levels, include_zero=include_zero, sketch=part.sketch, dtype=dtype)
+
+    if cache is None or key is None:
+        return fit()
+    return cast(np.ndarray, cache.codebook((*key, levels, include_zero, dtype, "fresh"), fit))
+
+
 def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: float | None = None,
                     previous: Any = None, *, cache: PartitionCache | None = None,
                     name: str | None = None) -> QuantizedTensor:
     """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold.
 
-    With ``cache`` (and the tensor's ``name`` as its key), the sketch of the rest is
-    reused across configurations with the same protect / prune / metric."""
+    With ``cache`` (and the tensor's ``name`` as its key), the rest's sketch and counts
+    (its :class:`Part`) and the fitted codebooks are reused across configurations with the
+    same protect / prune / metric."""
     w = _as_float32(t)
     dtype = str(t.dtype)
     protected, pruned = _masks(w, t, config, prune_threshold)
@@ -346,19 +432,20 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
     prev = previous if previous is not None else t.previous_codebook
     levels = config.levels_for(str(t.layer_type))
 
-    def choose(sketch: LogSketch | None = None) -> tuple[np.ndarray, bool]:
-        return _choose_codebook(w, rest, levels, include_zero, dtype, prev,
-                                config.codebook_reuse_tolerance, sketch=sketch)
-
     if cache is not None and name is not None:
-        # the rest (and so its sketch) is fixed by protect / threshold / metric
-        part = (name, config.protect, prune_threshold, _metric(t, config) if prune_threshold is not None else None)
+        key = part_key(name, t, config, prune_threshold)
+        part = cache.part((*key, config.protected_dtype), lambda: _new_part(
+            w, protected, pruned, cache.sketch(key, lambda: LogSketch.from_values(w, mask=rest)),
+            config.protected_dtype))
+        fresh = fresh_codebook(part, levels, include_zero, dtype, cache=cache, key=key)
         prev_key = None if prev is None else tuple(float(c) for c in np.asarray(prev, np.float64).ravel())
         centres, reused = cache.codebook(
-            (*part, levels, include_zero, dtype, prev_key, config.codebook_reuse_tolerance),
-            lambda: choose(cache.sketch(part, lambda: LogSketch.from_values(w, mask=rest))))
+            (*key, levels, include_zero, dtype, prev_key, config.codebook_reuse_tolerance),
+            lambda: _choose_codebook(w, rest, levels, include_zero, dtype, prev, config.codebook_reuse_tolerance,
+                                     sketch=part.sketch, fresh=fresh))
     else:
-        centres, reused = choose()
+        centres, reused = _choose_codebook(w, rest, levels, include_zero, dtype, prev,
+                                           config.codebook_reuse_tolerance)
     out = _snap(w, centres)
     out[pruned] = 0.0
     if protected.any():
@@ -458,6 +545,22 @@ class StateQuantizer:
         return list(self.chosen)
 
     def quantize(self, name: str) -> QuantizedTensor:
+        return quantize_tensor(self.chosen[name], self.config, self.threshold(name), self.previous.get(name),
+                               cache=self.cache, name=name)
+
+    def threshold(self, name: str) -> float | None:
+        """The pooled prune threshold of ``name``'s layer type and metric (None: no pruning)."""
         t = self.chosen[name]
-        threshold = self.thresholds.get((str(t.layer_type), _metric(t, self.config)))
-        return quantize_tensor(t, self.config, threshold, self.previous.get(name), cache=self.cache, name=name)
+        return self.thresholds.get((str(t.layer_type), _metric(t, self.config)))
+
+    def part(self, name: str) -> Part:
+        """``name``'s :class:`Part` under this configuration (cached when the quantizer has a cache)."""
+        return tensor_part(self.chosen[name], self.config, self.threshold(name), cache=self.cache, name=name)
+
+    def fresh_codebook(self, name: str) -> np.ndarray:
+        """The codebook ``name`` gets fitted afresh under this configuration (see :func:`fresh_codebook`)."""
+        t = self.chosen[name]
+        threshold = self.threshold(name)
+        key = part_key(name, t, self.config, threshold)
+        return fresh_codebook(self.part(name), self.config.levels_for(str(t.layer_type)), self.config.prune > 0,
+                              str(t.dtype), cache=self.cache, key=key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from inshrink_store.errors import FormatError
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.ratio import ratio_of
 from inshrink_store.writer import ArrayPlan
@@ -31,7 +32,8 @@ class PlanSet(Mapping[str, ArrayPlan]):
     config: QuantConfig | None
     plans: Mapping[str, ArrayPlan] = field(default_factory=dict)
     logical_bytes: int = 0
-    stored_bytes: int = 0
+    #: None when the plans were made without encoding them (a search's candidates)
+    stored_bytes: int | None = 0
 
     def __post_init__(self) -> None:
         # a private copy behind a read-only view: the caller's dict may change, this may not
@@ -39,7 +41,11 @@ class PlanSet(Mapping[str, ArrayPlan]):
 
     @property
     def ratio(self) -> float:
-        """Logical / stored bytes of the planned scope."""
+        """Logical / stored bytes of the planned scope (an error when they were not measured)."""
+        if self.stored_bytes is None:
+            raise FormatError(
+                "Expected a PlanSet whose stored bytes were measured. Got one planned without encoding "
+                "(a search candidate) instead; ask Candidates.measured_ratio(config) for its ratio.")
         return ratio_of(self.logical_bytes, self.stored_bytes)
 
     def __getitem__(self, path: str) -> ArrayPlan:

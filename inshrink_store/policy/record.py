@@ -36,7 +36,10 @@ class QuantizationRecord:
     nothing was within tolerance). ``baseline_quality``: ``eval_fn`` on the unquantized model
     (None without one). ``tolerance`` / ``higher_is_better``: the acceptance rule.
     ``search``: every trial and the mode (None when nothing was searched).
-    ``model_ratio_estimate``: the chosen configuration's measured model ratio (None: lossless).
+    ``model_ratio_estimate``: the chosen configuration's model ratio as a keyframe (None:
+    lossless): estimated from the sketches (:mod:`inshrink_store.policy.estimate`; versions
+    written before the estimate existed hold one measured by encoding); what was really
+    stored, deltas included, is in ``du``.
     ``allocation``: the per-tensor allocation the model tensors were stored with (then
     ``config`` is None; each tensor's levels are in its array's codec).
     ``allocation_search``: the target ratios a search over allocations tried, in order

@@ -18,8 +18,10 @@ are never evaluated at all.
   optimum (tests check it against brute force).
 - Later checkpoints: the previous point with the other metric (only if it measures a
   higher ratio), and the previous point's neighbourhood, never more aggressive than
-  it; candidates in decreasing measured ratio, stop at the first feasible one. None
-  feasible: the full search over the whole cube, reusing every answer so far.
+  it; candidates in decreasing measured ratio, stop at the first feasible one (the
+  previous point first: it is its neighbourhood's most aggressive, so the others' ratios
+  are measured only when it fails). None feasible: the full search over the whole cube,
+  reusing every answer so far.
 
 This module is pure (numpy-free, torch-free); ``SearchPoint.to_dict()`` has the same
 keys as ``QuantConfig``'s search axes, so a caller builds its config from it.
@@ -293,17 +295,27 @@ def _guided(ev: _Evaluator, metric: str) -> None:
 
 def _neighbourhood(ev: _Evaluator, previous: SearchPoint, metrics: Sequence[str]) -> SearchPoint | None:
     """Never more aggressive than ``previous``: one step back on any subset of axes, plus
-    ``previous`` with the other metric when that measures a higher ratio."""
+    ``previous`` with the other metric when that measures a higher ratio.
+
+    ``previous`` is the most aggressive point of its neighbourhood, so with ratios that grow
+    with aggressiveness it has the highest ratio of its metric: it (and the other metric at
+    the same point, when that is higher) is tried first, and the ratios of the points behind
+    it are asked for only when that fails. A version whose previous point still holds costs
+    two ratios and one evaluation."""
     space = ev.space
     p = space.index(previous)
-    candidates = [space.point((p[0] - a, p[1] - b, p[2] - c), previous.prune_metric)
-                  for a, b, c in product((0, 1), repeat=3) if min(p[0] - a, p[1] - b, p[2] - c) >= 0]
-    for metric in metrics:
-        other = space.point(p, metric)
-        if metric != previous.prune_metric and ev.ratio(other) > ev.ratio(previous):
-            candidates.append(other)
-    order = sorted(candidates, key=lambda c: (-ev.ratio(c), space.index(c), c.prune_metric))
-    return next((c for c in order if ev.evaluate(c)), None)
+
+    def order(points: list[SearchPoint]) -> list[SearchPoint]:
+        return sorted(points, key=lambda c: (-ev.ratio(c), space.index(c), c.prune_metric))
+
+    head = [previous] + [space.point(p, m) for m in metrics
+                         if m != previous.prune_metric and ev.ratio(space.point(p, m)) > ev.ratio(previous)]
+    found = next((c for c in order(head) if ev.evaluate(c)), None)
+    if found is not None:
+        return found
+    behind = [space.point((p[0] - a, p[1] - b, p[2] - c), previous.prune_metric)
+              for a, b, c in product((0, 1), repeat=3) if any((a, b, c)) and min(p[0] - a, p[1] - b, p[2] - c) >= 0]
+    return next((c for c in order(behind) if ev.evaluate(c)), None)
 
 
 def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[[SearchPoint], tuple[bool, float]],

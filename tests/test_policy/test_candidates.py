@@ -87,8 +87,13 @@ def test_candidates_keep_the_latest_plan_sets_and_every_ratio() -> None:
     configs = [QuantConfig(bins=b) for b in (4, 8, 16)]
     ratios = [candidates.ratio(c) for c in configs]
     assert ratios[0] > ratios[1] > ratios[2] > 1  # fewer levels, fewer bytes
+    measured = [candidates.measured_ratio(c) for c in configs]  # each planned; only one held
     first = candidates.plans(configs[0])  # evicted, planned again: the same plans
-    assert first.ratio == ratios[0] and candidates.ratio(configs[0]) == ratios[0]
+    assert candidates.measured_ratio(configs[0]) == measured[0] and candidates.ratio(configs[0]) == ratios[0]
+    assert CandidatePlanner(configs[0]).plan(tensors, dtypes, {}).ratio == measured[0]
+    assert all(abs(r / m - 1) < 0.1 for r, m in zip(ratios, measured, strict=True))  # the estimate is close
+    with pytest.raises(FormatError, match="measured_ratio"):
+        _ = first.ratio  # a candidate's plans are not encoded
     assert candidates.metrics_available == ("magnitude",)
     with pytest.raises(FormatError, match="keep"):
         Candidates(tensors, dtypes, {}, keep=0)

@@ -167,12 +167,14 @@ def test_infeasible_neighbourhood_falls_back_to_the_whole_cube() -> None:
     assert set(_neighbourhood(previous)) <= set(evaluated)
 
 
-def test_feasible_previous_costs_one_evaluation() -> None:
+def test_feasible_previous_costs_one_evaluation_and_two_ratios() -> None:
     cube = Cube({m: [(5, 5, 2)] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape],
                 {"magnitude": 1.0, "sensitivity": 0.99})
     previous = SearchPoint(6, 0.3, "magnitude", 0.005)
     result = _run(cube, previous=previous)
     assert (result.mode, result.best, result.evaluations) == ("neighbourhood", previous, 1)
+    # the points behind the previous one are never even measured while it holds
+    assert set(cube.ratio_calls) == {previous, SearchPoint(6, 0.3, "sensitivity", 0.005)}
 
 
 def test_other_metric_is_taken_when_it_measures_higher_and_holds() -> None:
