@@ -27,7 +27,13 @@ from inshrink_store.policy import (
     prune_thresholds,
     quantize_state,
 )
-from inshrink_store.policy.partition import PartitionCache, StateQuantizer, protected_mask
+from inshrink_store.policy.kmeans import fit_codebook
+from inshrink_store.policy.partition import (
+    PartitionCache,
+    StateQuantizer,
+    protected_mask,
+    sketch_sq_errors,
+)
 from inshrink_store.policy.sketch import LogSketch
 
 SHAPES = [(64, 128), (32, 200), (8, 4, 3, 3, 4)]
@@ -283,3 +289,23 @@ def test_error_stats_match_a_float64_reference(values: list[float], seed: int) -
     assert peak == pytest.approx(ref_peak, rel=1e-6)
     if np.isfinite(ref_rel):
         assert rel == pytest.approx(ref_rel, rel=1e-6, abs=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(family=st.sampled_from(["normal", "student", "laplace", "uniform"]), size=st.integers(2_000, 60_000),
+       scale=st.floats(1e-4, 1e2), levels=st.sampled_from([4, 6, 8, 16, 32]), seed=st.integers(0, 2**16),
+       shift=st.floats(0.8, 1.25))
+def test_sketch_squared_errors_agree_with_the_values(family: str, size: int, scale: float, levels: int,
+                                                     seed: int, shift: float) -> None:
+    """The codebook-reuse test reads squared errors off the sketch: they must track the values'."""
+    rng = np.random.default_rng(seed)
+    draw = {"normal": rng.standard_normal, "student": lambda n: rng.standard_t(3, n),
+            "laplace": lambda n: rng.laplace(size=n), "uniform": lambda n: rng.uniform(-1, 1, n)}[family]
+    values = (draw(size) * scale).astype(np.float32)
+    sketch = LogSketch.from_values(values)
+    fresh = fit_codebook(values, levels, include_zero=False, sketch=sketch)
+    moved = fresh * shift  # a previous codebook: the same levels, somewhat off
+    for codebook, got in zip((fresh, moved), sketch_sq_errors(sketch, [fresh, moved]), strict=True):
+        c = np.asarray(codebook, np.float32)
+        exact = float(np.sum((values - c[nearest_index(values, c)]).astype(np.float64) ** 2))
+        assert got == pytest.approx(exact, rel=0.03)
