@@ -175,31 +175,45 @@ def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantSettings,
     return {key: s.quantile(config.prune) for key, s in sorted(pooled.items()) if s.count}
 
 
-def _top_mask(values: np.ndarray, count: int, out: np.ndarray) -> None:
-    """Set ``out`` where ``|values|`` is among the ``count`` largest (ties at the cut
-    included, zeros and NaN never). O(n) selection on one scratch copy, no full sort;
-    the comparison runs blockwise so the scratch is the only full-size temporary."""
+def _top_cut(values: np.ndarray, count: int) -> Any:
+    """The ``count``-th largest ``|value|`` (NaN counted as 0). O(n) selection on one scratch
+    copy, no full sort."""
     scratch = np.abs(np.asarray(values, np.float32 if values.dtype == np.float16 else None)).ravel()
     if not np.isfinite(scratch).all():
         scratch[np.isnan(scratch)] = 0.0  # NaN sorts last; it must not take a top slot
     kth = scratch.size - count
     scratch.partition(kth)
-    cut = scratch[kth]
-    del scratch
+    return scratch[kth]
+
+
+def _top_mask(values: np.ndarray, count: int, out: np.ndarray, cut: Any = None) -> None:
+    """Set ``out`` where ``|values|`` is among the ``count`` largest (ties at the cut
+    included, zeros and NaN never); ``cut`` is :func:`_top_cut` when already known. The
+    comparison runs blockwise so the selection's scratch is the only full-size temporary."""
+    if cut is None:
+        cut = _top_cut(values, count)
     flat, dst = values.ravel(), out.ravel()
     for s in range(0, flat.size, BLOCK):
         mag = np.abs(flat[s:s + BLOCK])
         dst[s:s + BLOCK] |= (mag > 0) if cut <= 0 else (mag >= cut)
 
 
-def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float) -> np.ndarray:
-    """Non-finite values, the top ``fraction`` by ``|w|`` and the top ``fraction`` by ``|s|``."""
+def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float, *,
+                   cache: PartitionCache | None = None, name: str | None = None) -> np.ndarray:
+    """Non-finite values, the top ``fraction`` by ``|w|`` and the top ``fraction`` by ``|s|``.
+    With ``cache`` and the tensor's ``name``, each selection's cut is found once per
+    fraction (it is most of the cost; the comparison is a pass)."""
     mask = ~np.isfinite(values)
     count = int(round(fraction * values.size))
     if count > 0:
-        _top_mask(values, count, mask)
-        if sensitivity is not None:
-            _top_mask(np.asarray(sensitivity), count, mask)
+        for which, source in (("values", values), ("sensitivity", sensitivity)):
+            if source is None:
+                continue
+            array = np.asarray(source)
+            cut = None
+            if cache is not None and name is not None:
+                cut = cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
+            _top_mask(array, count, mask, cut)
     return mask
 
 
@@ -348,15 +362,16 @@ class PartitionCache:
         return self._parts[key]
 
     def codebook(self, key: tuple[Any, ...], build: Any) -> Any:
-        """A fitted codebook (and whether it reused the previous one), a few floats each."""
+        """A fitted codebook (and whether it reused the previous one), or another small value
+        (a protection cut), a few floats each."""
         if key not in self._codebooks:
             self._codebooks[key] = build()
         return self._codebooks[key]
 
 
-def _masks(w: np.ndarray, t: TensorInput, config: QuantSettings,
-           prune_threshold: float | None) -> tuple[np.ndarray, np.ndarray]:
-    protected = protected_mask(w, t.sensitivity, config.protect)
+def _masks(w: np.ndarray, t: TensorInput, config: QuantSettings, prune_threshold: float | None,
+           cache: PartitionCache | None = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    protected = protected_mask(w, t.sensitivity, config.protect, cache=cache, name=name)
     pruned = np.zeros(w.shape, bool)
     if prune_threshold is not None:
         pruned = (_prune_scores(t, _metric(t, config)) <= prune_threshold) & ~protected
@@ -386,7 +401,7 @@ def tensor_part(t: TensorInput, config: QuantSettings, prune_threshold: float | 
     sketched, then dropped (with ``cache`` and ``name``, once per protect / prune / metric)."""
     def build() -> Part:
         w = _as_float32(t)
-        protected, pruned = _masks(w, t, config, prune_threshold)
+        protected, pruned = _masks(w, t, config, prune_threshold, cache, name)
         rest = ~(protected | pruned)
         if cache is not None and name is not None:
             sketch = cache.sketch(part_key(name, t, config, prune_threshold),
@@ -423,7 +438,7 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
     same protect / prune / metric."""
     w = _as_float32(t)
     dtype = str(t.dtype)
-    protected, pruned = _masks(w, t, config, prune_threshold)
+    protected, pruned = _masks(w, t, config, prune_threshold, cache, name)
     rest = ~(protected | pruned)
     include_zero = config.prune > 0
     prev = previous if previous is not None else t.previous_codebook
