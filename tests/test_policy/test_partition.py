@@ -309,3 +309,26 @@ def test_sketch_squared_errors_agree_with_the_values(family: str, size: int, sca
         c = np.asarray(codebook, np.float32)
         exact = float(np.sum((values - c[nearest_index(values, c)]).astype(np.float64) ** 2))
         assert got == pytest.approx(exact, rel=0.03)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), prune=st.sampled_from([0.0, 0.3, 0.5]), protect=st.sampled_from([0.0005, 0.01]),
+       metric=st.sampled_from(["magnitude", "sensitivity"]))
+def test_a_search_cache_gives_the_same_parts_and_plans_as_none(seed: int, prune: float, protect: float,
+                                                               metric: str) -> None:
+    """Protection cuts, sketches, parts and codebooks reused from a cache change nothing."""
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_t(4, size=(120, 90)) * 0.1).astype(np.float32)
+    values[rng.random(values.shape) < 0.01] = 0.0
+    t = TensorInput(values, sensitivity=np.abs(values * rng.standard_normal(values.shape).astype(np.float32)))
+    config = QuantConfig(bins=8, prune=prune, prune_metric=metric, protect=protect, min_numel=1)
+    cache = PartitionCache()
+    for _ in range(2):  # the second time every cut, sketch and part comes from the cache
+        cached = StateQuantizer({"w": t}, config, cache=cache)
+        plain = StateQuantizer({"w": t}, config)
+        a, b = cached.part("w"), plain.part("w")
+        assert (a.protected, a.pruned, a.size) == (b.protected, b.pruned, b.size)
+        assert np.array_equal(a.protected_words, b.protected_words)
+        for field in ("pos_keys", "pos_counts", "neg_keys", "neg_counts", "zero_count", "nonfinite_count"):
+            assert np.array_equal(getattr(a.sketch, field), getattr(b.sketch, field))
+        assert np.array_equal(cached.quantize("w").values, plain.quantize("w").values)
