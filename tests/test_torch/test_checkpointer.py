@@ -83,6 +83,12 @@ def test_chosen_configuration_is_within_tolerance_and_never_more_aggressive_late
             assert all(bi <= ai for ai, bi in zip(a, b, strict=True)), (prev, cur)
     ck.close()
     assert [i.step for i in repo.log()] == [60, 40, 20]
+    # each version's timings split eval_fn out of the search and count its calls
+    searches = [i.metadata["quantization"]["search"] for i in reversed(repo.log())]
+    assert len(ck.timings) == 3
+    for timing, search in zip(ck.timings, searches, strict=True):
+        assert 0 < timing["eval_s"] <= timing["search_s"] <= timing["total_s"]
+        assert timing["evaluations"] == search["evaluations"] + 1  # + the unquantized baseline
 
 
 def test_nothing_feasible_stores_the_checkpoint_lossless(url: str) -> None:
