@@ -12,7 +12,9 @@ real training run checkpointing into the store (with and without regrouping and
 deltas); the whole training state with Adam's moments compressed vs lossless, and
 training resumed from compressed moments (a plot in docs/img/); ten failures in one run,
 resumed exactly and lossily (a plot); where a quantized save and a restore spend their
-CPU, stage by stage, against the throughput targets; save and restore time from 1 M to
+CPU, stage by stage, against the throughput targets; what a checkpoint's search costs
+without ``eval_fn``, with ratios estimated from sketches against ratios measured by
+encoding every candidate; save and restore time from 1 M to
 300 M parameters (a plot); the HTTP requests each store operation makes on
 S3 (moto's server on loopback); distributed saves through ``torch.distributed.checkpoint`` with
 1, 2 and 4 ranks against DCP's own writers. The entropy-coder study has its own command (``bench_entropy_coders.py``)
@@ -41,6 +43,7 @@ import bench_lossless  # noqa: E402
 import bench_moments  # noqa: E402
 import bench_quantization  # noqa: E402
 import bench_requests  # noqa: E402
+import bench_search  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_stages  # noqa: E402
 import bench_store  # noqa: E402
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
          lambda: bench_fault_tolerance.markdown(quick=args.quick)),
         ("Where a quantized save and a restore spend their time", "stages",
          lambda: bench_stages.to_markdown(bench_stages.run(quick=args.quick))),
+        ("What a checkpoint's search costs: estimated ratios against measured ones", "search",
+         lambda: bench_search.to_markdown(bench_search.run(quick=args.quick))),
         ("Cost against model size: 1 M to 300 M parameters", "scaling",
          lambda: bench_scaling.to_markdown(bench_scaling.run(quick=args.quick))),
         ("Requests against an object store (S3)", "object-store requests",
