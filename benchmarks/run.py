@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, TypeVar
 
 STARTED = time.perf_counter()  # before the benchmark modules (and torch) are imported
 LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -43,14 +44,16 @@ import bench_lossless  # noqa: E402
 import bench_moments  # noqa: E402
 import bench_quantization  # noqa: E402
 import bench_requests  # noqa: E402
-import bench_search  # noqa: E402
 import bench_scaling  # noqa: E402
+import bench_search  # noqa: E402
 import bench_stages  # noqa: E402
 import bench_store  # noqa: E402
 import bench_training  # noqa: E402
 import machine_info  # noqa: E402
+import targets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+Kept = TypeVar("Kept")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sections, took = [], []
+    results: dict[str, Any] = {}
+
+    def kept(label: str, result: Kept) -> Kept:
+        results[label] = result  # the targets table reads every section's figures
+        return result
+
     steps = [
         ("Lossless store vs torch.save and safetensors", "lossless store",
-         lambda: bench_store.markdown(bench_store.run(target_mb=20 if args.quick else 100))),
+         lambda: bench_store.markdown(kept("lossless store", bench_store.run(target_mb=20 if args.quick else 100)))),
         ("Lossless floats: the store vs ZipNN, zstd, torch.save, safetensors", "lossless floats",
          lambda: bench_lossless.to_markdown(bench_lossless.run(quick=args.quick))),
         ("Quantization vs int8 + zstd and lossless zstd", "quantization",
-         lambda: bench_quantization.to_markdown(bench_quantization.run(quick=args.quick))),
+         lambda: bench_quantization.to_markdown(kept("quantization", bench_quantization.run(quick=args.quick)))),
         ("Delta codec throughput", "delta codec",
          lambda: bench_delta.to_markdown(bench_delta.run(quick=args.quick))),
         ("A training run checkpointing into the store", "training run",
@@ -77,15 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         ("Ten failures in one run: exact and lossy resumes", "fault tolerance",
          lambda: bench_fault_tolerance.markdown(quick=args.quick)),
         ("Where a quantized save and a restore spend their time", "stages",
-         lambda: bench_stages.to_markdown(bench_stages.run(quick=args.quick))),
+         lambda: bench_stages.to_markdown(kept("stages", bench_stages.run(quick=args.quick)))),
         ("What a checkpoint's search costs: estimated ratios against measured ones", "search",
-         lambda: bench_search.to_markdown(bench_search.run(quick=args.quick))),
+         lambda: bench_search.to_markdown(kept("search", bench_search.run(quick=args.quick)))),
         ("Cost against model size: 1 M to 300 M parameters", "scaling",
-         lambda: bench_scaling.to_markdown(bench_scaling.run(quick=args.quick))),
+         lambda: bench_scaling.to_markdown(kept("scaling", bench_scaling.run(quick=args.quick)))),
         ("Requests against an object store (S3)", "object-store requests",
          lambda: bench_requests.to_markdown(bench_requests.run(quick=args.quick))),
         ("Distributed saves through torch.distributed.checkpoint (S3)", "DCP",
          lambda: bench_dcp.table(bench_dcp.run(mib=8 if args.quick else 32), 8 if args.quick else 32)),
+        ("Every throughput and memory target", "targets",
+         lambda: "Per CPU-second (per core) on this machine, from the sections above.\n\n"
+                 + targets.to_markdown(results)),
     ]
     for title, label, step in steps:
         t0 = time.perf_counter()
