@@ -217,24 +217,57 @@ def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction:
     return mask
 
 
+def _bucket_edges(sketch: LogSketch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each non-empty bucket as (low edge, high edge, count), ascending; exact zeros are one
+    bucket of width 0."""
+    g = sketch.gamma
+    pos_hi = np.power(g, sketch.pos_keys.astype(np.float64))
+    neg_hi = np.power(g, sketch.neg_keys[::-1].astype(np.float64))
+    zero = sketch.zero_count > 0
+    lo = np.concatenate([-neg_hi, np.zeros(int(zero)), pos_hi / g])
+    hi = np.concatenate([-neg_hi / g, np.zeros(int(zero)), pos_hi])
+    counts = np.concatenate([sketch.neg_counts[::-1], [sketch.zero_count] if zero else [], sketch.pos_counts])
+    return lo, hi, counts.astype(np.float64)
+
+
+def _segment_sq(lo: np.ndarray, hi: np.ndarray, centre: np.ndarray) -> np.ndarray:
+    """The integral of ``(x - centre)^2`` over ``[lo, hi]``."""
+    return ((hi - centre) ** 3 - (lo - centre) ** 3) / 3.0
+
+
 def sketch_sq_errors(sketch: LogSketch, codebooks: list[np.ndarray]) -> list[float]:
     """Sum of squared errors of nearest-centre quantization of the sketched values, for each
-    codebook, from the sketch alone: every bucket's count at its representative.
+    codebook, from the sketch alone: every bucket's count spread evenly over its range, each
+    piece of the range (cut where the nearest centre changes) on its nearest centre.
 
     Why not the values: the codebook-reuse test runs for every tensor of every planned
     candidate with a previous codebook, and a pass over the tensor per codebook was a fifth
-    of a search. A bucket spans 2 % of its values' magnitude (``alpha`` 1 %), so a value
-    moves at most 1 % to its representative, while the gaps between centres are tens of
-    percent: the sums agree with the values' to a few percent (property-tested), and the
-    test compares two of them against a tolerance of 10 %."""
-    reps, counts = sketch.histogram()
-    weights = counts.astype(np.float64)
-    reps32 = reps.astype(np.float32)
+    of a search. A bucket spans 2 % of its values' magnitude (``alpha`` 1 %); integrating
+    over it, not taking one representative, keeps the sums within about 0.5 % of the values'
+    on 20 k values, and within 5 % on 2 k heavy-tailed ones, whose few tail values sit
+    anywhere in their buckets (property-tested); the test compares two sums against a
+    tolerance of 10 %. Each sum runs on this thread."""
+    lo, hi, counts = _bucket_edges(sketch)
+    width = hi - lo
     totals = []
     for codebook in codebooks:
-        c32 = np.asarray(codebook, np.float64).astype(np.float32)
-        d = reps - c32.take(nearest_index(reps32, c32)).astype(np.float64)
-        totals.append(float(np.einsum("i,i,i->", weights, d, d)))  # this thread, as sum_of_products
+        centres = np.unique(np.asarray(codebook, np.float64).astype(np.float32)).astype(np.float64)
+        mids = (centres[:-1] + centres[1:]) / 2
+        first = np.searchsorted(mids, lo, side="right")  # the centre nearest each bucket's low edge
+        last = np.searchsorted(mids, hi, side="left")  # ... and its high edge
+        total = 0.0
+        whole = first == last  # one centre for the whole bucket (most buckets)
+        point = width == 0
+        d = lo - centres[first]
+        total += float(np.einsum("i,i->", counts[point], d[point] * d[point]))
+        spread = whole & ~point
+        total += float(np.einsum("i,i->", counts[spread] / width[spread],
+                                 _segment_sq(lo[spread], hi[spread], centres[first[spread]])))
+        for b in np.flatnonzero(~whole & ~point):  # buckets cut by a midpoint: a few per centre
+            cuts = np.concatenate([[lo[b]], mids[first[b]:last[b]], [hi[b]]])
+            pieces = _segment_sq(cuts[:-1], cuts[1:], centres[first[b]:last[b] + 1])
+            total += float(counts[b] / width[b] * pieces.sum())
+        totals.append(total)
     return totals
 
 
