@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store.errors import FormatError
+from inshrink_store.parallel import map_in_order
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.estimate import estimated_bytes
 from inshrink_store.policy.moments import AdamHyper
@@ -27,7 +28,7 @@ from inshrink_store.policy.partition import PartitionCache, StateQuantizer
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
-from inshrink_store.writer import ArrayPlan
+from inshrink_store.writer import ArrayPlan, write_threads
 
 #: candidate plan sets held at once during a search (each about the model's size)
 KEEP = 2
@@ -63,8 +64,14 @@ class CandidatePlanner:
         paths = eligible(tensors, dtypes, self.config.min_numel, self.scope)
         inputs = tensor_inputs(paths, tensors, dtypes, previous, self.sensitivity, self.module_kinds)
         quantizer = StateQuantizer(inputs, self.config, cache=self.cache)
-        plans = {p: _frozen(array_plan(quantizer.quantize(p), dtypes[p], self.config.protected_dtype))
-                 for p in quantizer.names}
+
+        def one(path: str) -> ArrayPlan:
+            return _frozen(array_plan(quantizer.quantize(path), dtypes[path], self.config.protected_dtype))
+
+        # tensors on the writer's threads (numpy releases the GIL); each touches only its own
+        # cache entries, and results come back by name: the same plans whatever the threads
+        names = quantizer.names
+        plans = dict(zip(names, map_in_order(one, names, write_threads(), "inshrink-plan"), strict=True))
         estimator = self.estimator or RatioEstimator(tensors, self.scope, dtypes)
         stored = estimator.stored_bytes(plans) if self.measure else None
         return PlanSet(self.config, plans, estimator.logical_bytes, stored)
@@ -129,7 +136,11 @@ class Candidates:
         (quantized tensors, :func:`~inshrink_store.policy.estimate.estimated_bytes`) and the
         measured lossless bytes of the others."""
         quantizer = self.quantizer(config)
-        quantized = sum(estimated_bytes(quantizer.part(p), quantizer.fresh_codebook(p)) for p in quantizer.names)
+
+        def one(path: str) -> int:
+            return estimated_bytes(quantizer.part(path), quantizer.fresh_codebook(path))
+
+        quantized = sum(map_in_order(one, quantizer.names, write_threads(), "inshrink-estimate"))
         return quantized + sum(self.estimator.lossless_bytes_of(p) for p in self.estimator.paths
                                if p not in quantizer.chosen)
 

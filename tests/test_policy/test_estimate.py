@@ -153,3 +153,22 @@ def test_a_later_checkpoint_whose_previous_point_holds_plans_one_candidate(monke
         SearchPoint.of(previous), SearchPoint(8, 0.2, "sensitivity", 0.005)}
     assert set(planned) == {record.config}  # the evaluated candidate, which is also the one written
     assert record.model_ratio_estimate == candidates.ratio(record.config)
+
+
+def test_threads_do_not_change_estimates_or_plans(monkeypatch: Any) -> None:
+    """Tensors are estimated and planned on the writer's threads: any count gives the same."""
+    from inshrink_store.policy import candidates as candidates_module
+
+    tensors, dtypes, sensitivity = _state(seed=4)
+    configs = [QuantConfig(bins=b, prune=0.3, prune_metric=m, protect=0.005)
+               for b in (6, 16) for m in ("magnitude", "sensitivity")]
+    seen = []
+    for threads in (1, 3):
+        monkeypatch.setattr(candidates_module, "write_threads", lambda threads=threads: threads)
+        candidates = Candidates(tensors, dtypes, {}, sensitivity=sensitivity)
+        ratios = [candidates.ratio(c) for c in configs]
+        values = {(i, p): plan.values.copy() for i, c in enumerate(configs) for p, plan in candidates.plans(c).items()}
+        seen.append((ratios, values))
+    (ratios_1, values_1), (ratios_3, values_3) = seen
+    assert ratios_1 == ratios_3
+    assert values_1.keys() == values_3.keys() and all(np.array_equal(values_1[p], values_3[p]) for p in values_1)
