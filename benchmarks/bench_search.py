@@ -160,17 +160,17 @@ def to_markdown(r: dict[str, Any]) -> str:
         "candidates ranked by ratios estimated from their sketches, only evaluated ones quantized, the chosen "
         "one encoded once. *Measured* is the search before: every ranked candidate quantized and encoded. "
         "*Search + save* adds writing the chosen plans into a fresh local store. CPU is the process's, "
-        "every thread.",
+        "every thread (tensors are estimated and planned on the writer's threads).",
         "",
         "| checkpoint | ratios | trials | evaluations | chosen (bins / prune / protect) | ratio measured | "
-        "search CPU s | search M params per CPU-s | search + save M params per CPU-s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "search wall s | search CPU s | search M params per CPU-s | search + save M params per CPU-s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         total = row["search_cpu"] + row["save_cpu"]
         lines.append(
             f"| {row['checkpoint']} ({row['mode']}) | {row['how']} | {row['trials']} | {row['evaluations']} | "
-            f"{_cfg(row['config'])} | {row['measured']:.2f}x | {row['search_cpu']:.2f} | "
+            f"{_cfg(row['config'])} | {row['measured']:.2f}x | {row['search_wall']:.2f} | {row['search_cpu']:.2f} | "
             f"{n / 1e6 / row['search_cpu']:.1f} | {n / 1e6 / total:.1f} |")
     errors = [e for row in r["rows"] if row["errors"] for e in row["errors"]]
     chosen = [row["chosen_estimate"] / row["measured"] - 1 for row in r["rows"] if row["how"] == "estimated"]
