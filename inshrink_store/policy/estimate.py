@@ -33,20 +33,19 @@ import hashlib
 import math
 
 import numpy as np
-import zstandard
 
-from inshrink_store.cas import ZSTD_LEVEL, keyframe_body
+from inshrink_store.cas import keyframe_body
 from inshrink_store.codecs import _payload
 from inshrink_store.codecs.nuq import nearest_index
-from inshrink_store.policy.partition import Part
+from inshrink_store.policy.partition import Part, coded_words_bytes, evenly
 
 #: ids coded per sample: large enough that the coder's per-frame costs and its block
 #: statistics are those of a big tensor (64 Ki ids were within 2.5 % of the 2 M ids they
 #: stood for; 16 Ki ids up to 8 % off), small enough to code in well under a millisecond
 SAMPLE = 1 << 16
-#: ids of one zstd block (128 KiB): up to this many, the ids and the protected words that
-#: follow them share a block and its Huffman table
-BLOCK_IDS = 1 << 17
+#: zstd's largest block (128 KiB): while the ids fit one, the protected words that follow
+#: them share its Huffman table (ids packed two to a byte fit twice as many; not modelled)
+BLOCK_BYTES = 1 << 17
 
 
 def level_counts(part: Part, codebook: np.ndarray) -> np.ndarray:
@@ -75,13 +74,6 @@ def _sample_counts(counts: np.ndarray, size: int) -> tuple[int, ...]:
     return tuple(int(c) for c in scaled)
 
 
-def _evenly(words: np.ndarray, count: int) -> np.ndarray:
-    """``count`` of ``words`` taken at evenly spaced positions (all of them when count >= size)."""
-    if count >= words.size:
-        return words
-    return words[np.linspace(0, words.size - 1, count).astype(np.int64)] if count else words[:0]
-
-
 def _coded_sample_bytes(scaled: tuple[int, ...], words: np.ndarray | None, protected_dtype: str) -> int:
     """Bytes of the keyframe coder on a payload whose ids have exactly the counts ``scaled``
     (the last one the protected id), in an order drawn from a generator seeded with the
@@ -94,44 +86,41 @@ def _coded_sample_bytes(scaled: tuple[int, ...], words: np.ndarray | None, prote
     np.random.default_rng(seed).shuffle(ids)
     tail = b""
     if words is not None:
-        kept = _evenly(words, scaled[-1])
-        if kept.size < scaled[-1]:  # fewer words than protected ids (a part without them): zeros
-            kept = np.concatenate([kept, np.zeros(scaled[-1] - kept.size, words.dtype)])
+        kept = evenly(words, scaled[-1])
+        if kept.size < scaled[-1]:  # fewer words than protected ids (none given): zero words
+            kept = np.concatenate([kept, np.zeros(scaled[-1] - kept.size, _payload.protected_word(protected_dtype))])
         tail = kept.astype(kept.dtype.newbyteorder("<")).tobytes()
     header = _payload.HEADER.pack(_payload.MAGIC, _payload.VERSION, width, _payload.PROTECTED_CODES[protected_dtype],
                                   0, ids.size, levels, 0 if words is None else scaled[-1])
     return len(keyframe_body(header + ids.tobytes() + tail)[1])
 
 
-def _words_bytes(words: np.ndarray) -> int:
-    """The protected words as the coder codes them in blocks of their own (zstd, or raw)."""
-    raw = words.astype(words.dtype.newbyteorder("<")).tobytes()
-    return min(len(raw), len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw))) if raw else 0
-
-
-def coded_bytes(counts: np.ndarray, words: np.ndarray | None = None, protected_dtype: str = "bfloat16") -> int:
+def coded_bytes(counts: np.ndarray, words: np.ndarray | None = None, protected_dtype: str = "bfloat16",
+                words_bytes: int | None = None) -> int:
     """Bytes the store's keyframe coder takes for a payload whose ids have these per-id
-    ``counts`` (the last is the protected id) and whose protected values are ``words``.
+    ``counts`` (the last is the protected id) and whose protected values are ``words``
+    (``words_bytes``: all of them coded alone, when ``words`` are only a sample of them).
 
-    The payload holds the ids, then the words. Up to :data:`BLOCK_IDS` ids, the coder sees
-    both in one block, where the words' bytes disturb the ids' Huffman table: a sample of
-    at most :data:`SAMPLE` ids with evenly chosen words is coded as one payload (exactly
-    the payload's size when it is that small) and scaled. Beyond it, the ids fill blocks
-    of their own: the ids' sample is coded alone and scaled, and the words are coded
-    apart, every one of them (they are few)."""
+    The payload holds the ids, then the words. While the ids fit one zstd block
+    (:data:`BLOCK_BYTES`), the coder sees both in one block, where the words' bytes disturb
+    the ids' Huffman table: a sample of at most :data:`SAMPLE` ids with evenly chosen words
+    is coded as one payload (exactly the payload's size when it is that small) and scaled.
+    Beyond it, the ids fill blocks of their own: the ids' sample is coded alone and scaled,
+    and the words are coded apart."""
     counts = np.asarray(counts, np.int64)
-    words = np.zeros(0, np.uint16) if words is None else np.asarray(words)
+    words = np.zeros(0, _payload.protected_word(protected_dtype)) if words is None else np.asarray(words)
     total = int(counts.sum())
     if total == 0:
         return _payload.HEADER_SIZE
     size = min(total, SAMPLE)
     scaled = _sample_counts(counts, size)
-    if total <= BLOCK_IDS:
+    if total * _payload.id_width_for(len(counts)) <= BLOCK_BYTES:
         coded = _coded_sample_bytes(scaled, words, protected_dtype)
         return coded if size == total else math.ceil(coded * total / size)
-    return math.ceil(_coded_sample_bytes(scaled, None, protected_dtype) * total / size) + _words_bytes(words)
+    apart = coded_words_bytes(words) if words_bytes is None else words_bytes
+    return math.ceil(_coded_sample_bytes(scaled, None, protected_dtype) * total / size) + apart
 
 
 def estimated_bytes(part: Part, codebook: np.ndarray) -> int:
     """Estimated bytes the store keeps for one tensor quantized onto ``codebook`` (a keyframe)."""
-    return coded_bytes(level_counts(part, codebook), part.protected_words, part.protected_dtype)
+    return coded_bytes(level_counts(part, codebook), part.protected_words, part.protected_dtype, part.protected_bytes)

@@ -22,8 +22,9 @@ from inshrink_store.writer import ArrayPlan
 @dataclass(frozen=True, eq=False)
 class PlanSet(Mapping[str, ArrayPlan]):
     """A read-only mapping path -> :class:`ArrayPlan`, plus ``config`` (None: lossless) and
-    the bytes the planned tensors take: ``logical_bytes`` and ``stored_bytes`` as the store
-    writes them (see :mod:`inshrink_store.policy.ratio`).
+    the bytes the planned tensors take: ``logical_bytes``, and ``stored_bytes`` as the store
+    writes them (see :mod:`inshrink_store.policy.ratio`), or None when the plans were made
+    without encoding them (a search's candidates, whose ratios are estimated).
 
     It is also a repository planner that returns itself, so plans made during a search
     are written as they are: ``repo.save(tensors, quantize=plan_set)``.

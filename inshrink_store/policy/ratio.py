@@ -1,7 +1,9 @@
-"""How many bytes a state's tensors take in the store: the one ratio estimate the search uses.
+"""How many bytes a state's tensors take in the store, measured by encoding them.
 
-The search ranks candidate configurations by measured compression ratio, so the
-measurement encodes each tensor the way the store does:
+The search ranks candidate configurations by ratios estimated without encoding
+(:mod:`inshrink_store.policy.estimate`); this module is the measurement that the
+estimate is checked against, the bytes of the tensors a search leaves lossless, and the
+ratio of a planner used on its own. It encodes each tensor the way the store does:
 
 - a lossless tensor by writing it the writer's own way (:func:`inshrink_store.writer.create_array`
   with :func:`inshrink_store.writer.lossless_codecs`: raw bits for float32, float16 and

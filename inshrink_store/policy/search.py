@@ -18,10 +18,12 @@ are never evaluated at all.
   optimum (tests check it against brute force).
 - Later checkpoints: the previous point with the other metric (only if it measures a
   higher ratio), and the previous point's neighbourhood, never more aggressive than
-  it; candidates in decreasing measured ratio, stop at the first feasible one (the
-  previous point first: it is its neighbourhood's most aggressive, so the others' ratios
-  are measured only when it fails). None feasible: the full search over the whole cube,
-  reusing every answer so far.
+  it. The previous point (and the other metric at it) first, in decreasing ratio: with
+  ratios that grow with aggressiveness it has its neighbourhood's highest, so a
+  feasible previous point is taken without measuring the points behind it (a point
+  behind it whose ratio measures higher anyway is not preferred). Then the points
+  behind it in decreasing ratio; stop at the first feasible one. None feasible: the
+  full search over the whole cube, reusing every answer so far.
 
 This module is pure (numpy-free, torch-free); ``SearchPoint.to_dict()`` has the same
 keys as ``QuantConfig``'s search axes, so a caller builds its config from it.

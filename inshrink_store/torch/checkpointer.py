@@ -205,18 +205,16 @@ class _QuantizedEval:
     def __init__(self, eval_fn: Callable[[Any], float], model: Any, dtypes: dict[str, str]) -> None:
         self.eval_fn, self.model, self.dtypes = eval_fn, model, dtypes
         self.originals: dict[str, Any] | None = None
-        #: wall and CPU (this thread's) seconds spent in ``eval_fn``, values loaded in and out
-        #: included, and its calls
-        self.seconds = self.cpu_seconds = 0.0
+        #: wall seconds spent in ``eval_fn`` (values loaded in and out included), and its calls
+        self.seconds = 0.0
         self.calls = 0
 
     def __call__(self, plans: PlanSet | None) -> float:
-        start, cpu = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
         try:
             return self._evaluate(plans)
         finally:
             self.seconds += time.perf_counter() - start
-            self.cpu_seconds += time.thread_time() - cpu
             self.calls += 1
 
     def _evaluate(self, plans: PlanSet | None) -> float:
@@ -328,10 +326,10 @@ class Checkpointer:
         self.last_gc: Any = None  # the GcReport of the last retention gc that ran
         self.last_search: SearchResult | None = None
         self._told_skipped = False  # the "optimizer state is not Adam-shaped" line is logged once
-        #: per saved version: ``copy_s`` (the loop's copy), ``search_s`` / ``search_cpu_s`` (wall
-        #: and CPU deciding what to store, ``eval_fn`` included), ``eval_s`` / ``eval_cpu_s`` and
-        #: ``evaluations`` (``eval_fn``'s share and its calls, the unquantized baseline's one
-        #: included), ``total_s`` (copy to commit)
+        #: per saved version, wall seconds: ``copy_s`` (the loop's copy), ``search_s`` (deciding
+        #: what to store, ``eval_fn`` included), ``eval_s`` and ``evaluations`` (``eval_fn``'s share
+        #: and its calls, the unquantized baseline's one included), ``total_s`` (copy to commit).
+        #: Wall, not CPU: the search runs on its own thread and the writer's, beside training.
         self.timings: list[dict[str, float]] = []
         if eval_fn is None and not lossless:
             warnings.warn(_lossy_warning(self.policy), stacklevel=2)
@@ -479,7 +477,7 @@ class Checkpointer:
 
     # -- background ------------------------------------------------------------------------
     def _save(self, job: _Job) -> Any:
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
         arrays, dtypes, skeleton = state_to_arrays(job.state)
         evaluate: _QuantizedEval | None = None
         if self.lossless:
@@ -495,7 +493,7 @@ class Checkpointer:
             # policy's resume space, whose versions hold the tolerance over many restores
             policy = self.policy if self.exact_resume else self.policy.resuming()
             decision = policy.decide(candidates, evaluate, previous=self._previous)
-        t_search, cpu_search = time.perf_counter() - t0, time.thread_time() - cpu0
+        t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if decision.moments is not None:
             metadata["moments"] = decision.moments.to_dict()
@@ -508,9 +506,8 @@ class Checkpointer:
                             message=job.message or f"step {job.step}",
                             metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)
         self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
-        self.timings.append({"copy_s": job.copy_s, "search_s": t_search, "search_cpu_s": cpu_search,
+        self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
                              "eval_s": evaluate.seconds if evaluate is not None else 0.0,
-                             "eval_cpu_s": evaluate.cpu_seconds if evaluate is not None else 0.0,
                              "evaluations": evaluate.calls if evaluate is not None else 0,
                              "total_s": time.perf_counter() - t0 + job.copy_s})
         if self.retention is not None:

@@ -172,3 +172,16 @@ def test_threads_do_not_change_estimates_or_plans(monkeypatch: Any) -> None:
     (ratios_1, values_1), (ratios_3, values_3) = seen
     assert ratios_1 == ratios_3
     assert values_1.keys() == values_3.keys() and all(np.array_equal(values_1[p], values_3[p]) for p in values_1)
+
+
+def test_a_part_keeps_few_words_and_still_estimates_a_big_tensor() -> None:
+    """A search's cache holds many parts: each keeps at most KEPT_WORDS protected words."""
+    from inshrink_store.policy.partition import KEPT_WORDS
+
+    values = _values("student", (1024, 1024), 0.02, 9)
+    config = QuantConfig(bins=8, prune=0.2, protect=0.01, min_numel=1)
+    quantizer = StateQuantizer({"w": TensorInput(values)}, config, cache=PartitionCache())
+    part = quantizer.part("w")
+    assert part.protected >= 0.01 * values.size > KEPT_WORDS == part.protected_words.size
+    estimate, measured = _estimate_and_measure(TensorInput(values), config)
+    assert abs(estimate - measured) <= 0.05 * measured

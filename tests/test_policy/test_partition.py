@@ -332,3 +332,13 @@ def test_a_search_cache_gives_the_same_parts_and_plans_as_none(seed: int, prune:
         for field in ("pos_keys", "pos_counts", "neg_keys", "neg_counts", "zero_count", "nonfinite_count"):
             assert np.array_equal(getattr(a.sketch, field), getattr(b.sketch, field))
         assert np.array_equal(cached.quantize("w").values, plain.quantize("w").values)
+
+
+@pytest.mark.parametrize("magnitude", [1e-16, 3e-15, 1e-14, 1e-30])
+def test_sketch_squared_errors_of_values_far_below_every_centre(magnitude: float) -> None:
+    """A bucket far narrower than its distance to the centre: the integral must not cancel."""
+    values = (np.random.default_rng(0).uniform(0.5, 1.0, 1000) * magnitude).astype(np.float32)
+    centres = np.array([-0.3, 0.7])
+    c = centres.astype(np.float32)
+    exact = float(np.sum((values - c[nearest_index(values, c)]).astype(np.float64) ** 2))
+    assert sketch_sq_errors(LogSketch.from_values(values), [centres])[0] == pytest.approx(exact, rel=1e-6)
