@@ -221,13 +221,39 @@ def smallest_mask(scores: np.ndarray, fraction: float) -> np.ndarray:
     return ((flat <= threshold) & finite).reshape(scores.shape)
 
 
+#: key spans up to which :func:`unique_inverse` counts instead of sorting (a few MB of table)
+DENSE_SPAN = 1 << 23
+
+
+def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for int64 keys, in O(n) when their span is
+    at most :data:`DENSE_SPAN` (a table of which keys occur, its running count as each
+    key's rank) instead of a sort of every element: moment planning buckets every entry of
+    both moments by its log2 magnitude, and the sort was a third of it. Same arrays."""
+    flat = np.asarray(keys, np.int64).ravel()
+    if flat.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.intp)
+    low, high = int(flat.min()), int(flat.max())
+    if high - low >= DENSE_SPAN:
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        return uniq, inverse.ravel()
+    shifted = flat - low
+    present = np.zeros(high - low + 1, bool)
+    present[shifted] = True
+    rank = np.cumsum(present, dtype=np.intp) - 1
+    return np.flatnonzero(present).astype(np.int64) + low, rank[shifted]
+
+
 def _importance_histogram(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Non-zero finite ``values`` bucketed by sign and log2 magnitude (1/LOG_RESOLUTION octave):
     (each bucket's weighted mean value, its summed weight) - a few thousand points to cluster."""
     logs = np.log2(np.abs(values).astype(np.float64))
-    keys = np.sign(values).astype(np.int64) * (np.round(logs * LOG_RESOLUTION).astype(np.int64) + (1 << 20))
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    inverse = inverse.ravel()
+    steps = np.round(logs * LOG_RESOLUTION).astype(np.int64)
+    # buckets ordered as the signed key sign * (steps + 2^20) sorts (negatives from the largest
+    # magnitude down, then positives up), numbered densely: a table of thousands, not millions
+    low, high = (int(steps.min()), int(steps.max())) if steps.size else (0, 0)
+    keys = np.where(values > 0, (high - low + 1) + (steps - low), high - steps)
+    uniq, inverse = unique_inverse(keys)
     total = np.bincount(inverse, weights=weights, minlength=uniq.size)
     centre = np.bincount(inverse, weights=weights * values, minlength=uniq.size)
     keep = total > 0
@@ -280,8 +306,8 @@ def quantize_exp_avg_sq(v: np.ndarray, levels: int, dtype: str, importance: np.n
     if logs.size:
         weights = np.ones(logs.size) if importance is None else importance[positive].astype(np.float64)
         weights = np.where(np.isfinite(weights), weights, 0.0) + 1e-30  # every bucket counts a little
-        keys, inverse = np.unique(np.round(logs * LOG_RESOLUTION).astype(np.int64), return_inverse=True)
-        mass = np.bincount(inverse.ravel(), weights=weights, minlength=keys.size)
+        keys, inverse = unique_inverse(np.round(logs * LOG_RESOLUTION).astype(np.int64))
+        mass = np.bincount(inverse, weights=weights, minlength=keys.size)
         points = keys / LOG_RESOLUTION
         fresh = weighted_kmeans(points, mass, levels, sigma=1.0)
         chosen = fresh

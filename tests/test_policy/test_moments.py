@@ -506,3 +506,40 @@ def test_search_policy_names_its_optimizer_policies() -> None:
     for bogus in ("bogus", "Lossless", "", 3):
         with pytest.raises(FormatError, match="optimizer"):
             SearchPolicy(optimizer=bogus)
+
+
+@settings(max_examples=80, deadline=None)
+@given(keys=st.lists(st.integers(-(2**40), 2**40), max_size=300), spread=st.sampled_from([1, 10, 1000, 2**30]))
+def test_unique_inverse_is_numpys_unique_whatever_the_span(keys: list[int], spread: int) -> None:
+    """The counting path (small spans) and the sorting one give numpy's arrays exactly."""
+    from inshrink_store.policy.moments import unique_inverse
+
+    array = np.asarray(keys, np.int64) % spread - spread // 2
+    uniq, inverse = unique_inverse(array)
+    want_uniq, want_inverse = np.unique(array, return_inverse=True)
+    assert np.array_equal(uniq, want_uniq) and np.array_equal(inverse, want_inverse.ravel())
+    assert uniq.dtype == np.int64 and inverse.shape == (array.size,)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 3000), scale=st.sampled_from([1e-12, 1e-6, 1.0, 1e6]),
+       negatives=st.floats(0, 1))
+def test_importance_histogram_orders_buckets_as_the_signed_keys_sort(seed: int, n: int, scale: float,
+                                                                    negatives: float) -> None:
+    """Buckets are numbered densely, in the order np.unique gave the signed keys: same points,
+    same weights, same order (k-means++ seeds from that order)."""
+    from inshrink_store.policy.moments import LOG_RESOLUTION, _importance_histogram
+
+    rng = np.random.default_rng(seed)
+    values = rng.standard_t(3, n) * scale
+    values[rng.random(n) < negatives] *= -1
+    values = values[values != 0]
+    weights = rng.uniform(0, 2, values.size)
+    logs = np.log2(np.abs(values))
+    signed = np.sign(values).astype(np.int64) * (np.round(logs * LOG_RESOLUTION).astype(np.int64) + (1 << 20))
+    uniq, inverse = np.unique(signed, return_inverse=True)
+    total = np.bincount(inverse.ravel(), weights=weights, minlength=uniq.size)
+    centre = np.bincount(inverse.ravel(), weights=weights * values, minlength=uniq.size)
+    keep = total > 0
+    points, mass = _importance_histogram(values, weights)
+    assert np.array_equal(points, centre[keep] / total[keep]) and np.array_equal(mass, total[keep])
