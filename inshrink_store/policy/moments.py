@@ -37,12 +37,13 @@ from inshrink_store import dtypes as dtype_registry
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
+from inshrink_store.parallel import map_in_order
 from inshrink_store.policy.kmeans import fit_codebook, loss, through_dtype, weighted_kmeans
 from inshrink_store.policy.partition import QuantizedTensor, sum_of_products
 from inshrink_store.policy.planner import array_plan
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.sketch import BLOCK
-from inshrink_store.writer import ArrayPlan
+from inshrink_store.writer import ArrayPlan, write_threads
 
 M_KEY, V_KEY = "exp_avg", "exp_avg_sq"
 #: log2(v) is histogrammed at 1/LOG_RESOLUTION octave before clustering (a few thousand points)
@@ -474,13 +475,10 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
             skipped = (f"optimizer state is not Adam-shaped (no exp_avg/exp_avg_sq pairs; state keys {keys[:6]}): "
                        "stored lossless")
         return MomentPlans(None, {}, record=MomentRecord(policy, {}, skipped))
-    plans: dict[str, ArrayPlan] = {}
-    records: dict[str, MomentTensorRecord] = {}
-    for prefix in pairs:
+    def one(prefix: str) -> tuple[dict[str, ArrayPlan], MomentTensorRecord]:
         m_path, v_path = f"{prefix}/{M_KEY}", f"{prefix}/{V_KEY}"
         if tensors[m_path].size < policy.min_numel:
-            records[prefix] = MomentTensorRecord("lossless", reason=f"fewer than {policy.min_numel} elements")
-            continue
+            return {}, MomentTensorRecord("lossless", reason=f"fewer than {policy.min_numel} elements")
         dtype = dtypes[m_path]
         entry = dtype_registry.get(dtype)
         m, v = entry.to_float32(tensors[m_path]), entry.to_float32(tensors[v_path])
@@ -493,19 +491,26 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
         chosen = _guarded(policy, m, v, exact, h, weight_pruned, dtype, prev_v)
         if chosen is None:
             usable = bool((np.isfinite(v) & (v >= 0)).any())
-            records[prefix] = MomentTensorRecord(
+            return {}, MomentTensorRecord(
                 "lossless", attempts=len(policy.attempts()) if usable else 0,
                 reason=(f"update drifted beyond cosine {policy.min_update_cosine} / error "
                         f"{policy.max_update_error} at every setting tried" if usable else
                         "exp_avg_sq has no finite value >= 0 to build levels from"))
-            continue
         (m_q, m_cb), (v_q, v_cb), record = chosen
         figures = {"moment": M_KEY, "update_cosine": record.update_cosine,
                    "update_rel_error": record.update_rel_error, "levels": int(m_cb.size),
                    "pruned_fraction": record.pruned_fraction, "protected_fraction": 0.0}
-        plans[m_path] = _plan(m_q, m_cb, dtype, figures)
-        plans[v_path] = _plan(v_q, v_cb, dtype, {**figures, "moment": V_KEY, "levels": int(v_cb.size),
-                                                 "pruned_fraction": 0.0})
+        return {m_path: _plan(m_q, m_cb, dtype, figures),
+                v_path: _plan(v_q, v_cb, dtype, {**figures, "moment": V_KEY, "levels": int(v_cb.size),
+                                                 "pruned_fraction": 0.0})}, record
+
+    # pairs side by side on the writer's threads (numpy releases the GIL); each is planned on
+    # its own, and results are gathered in the pairs' order: the same plans whatever the threads
+    plans: dict[str, ArrayPlan] = {}
+    records: dict[str, MomentTensorRecord] = {}
+    for prefix, (made, record) in zip(pairs, map_in_order(one, pairs, write_threads(), "inshrink-moments"),
+                                      strict=True):
+        plans.update(made)
         records[prefix] = record
     return MomentPlans(None, plans, record=MomentRecord(policy, records))
 
