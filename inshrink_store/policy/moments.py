@@ -247,53 +247,86 @@ def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def log_steps(values: np.ndarray) -> np.ndarray:
     """``round(log2 |x| * LOG_RESOLUTION)`` per entry (int64; 0 where x is 0 or not finite,
-    which callers leave out): the log2 bucket of each entry, computed once per tensor and
-    shared by every attempt of the guard (the float64 log2 is the costly part)."""
+    which callers leave out): the log2 bucket of each entry."""
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log2(np.abs(values).astype(np.float64))
     logs[~np.isfinite(logs)] = 0.0
     return np.round(logs * LOG_RESOLUTION).astype(np.int64)
 
 
-def _importance_histogram(values: np.ndarray, weights: np.ndarray,
-                          steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Non-zero finite ``values`` bucketed by sign and log2 magnitude (1/LOG_RESOLUTION octave):
-    (each bucket's weighted mean value, its summed weight) - a few thousand points to cluster.
-    ``steps``: :func:`log_steps` of ``values`` when already computed."""
-    if steps is None:
-        steps = log_steps(values)
-    # buckets ordered as the signed key sign * (steps + 2^20) sorts (negatives from the largest
-    # magnitude down, then positives up), numbered densely: a table of thousands, not millions
+def _bucket_keys(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Dense bucket numbers in the order the signed key ``sign * (steps + 2^20)`` sorts
+    (negatives from the largest magnitude down, then positives up): a table of thousands."""
     low, high = (int(steps.min()), int(steps.max())) if steps.size else (0, 0)
-    keys = np.where(values > 0, (high - low + 1) + (steps - low), high - steps)
-    uniq, inverse = unique_inverse(keys)
-    total = np.bincount(inverse, weights=weights, minlength=uniq.size)
-    centre = np.bincount(inverse, weights=weights * values, minlength=uniq.size)
+    return np.where(values > 0, (high - low + 1) + (steps - low), high - steps)
+
+
+def _weighted_buckets(inverse: np.ndarray, buckets: int, values: np.ndarray,
+                      weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each non-empty bucket's weighted mean value and summed weight, in bucket order."""
+    total = np.bincount(inverse, weights=weights, minlength=buckets)
+    centre = np.bincount(inverse, weights=weights * values, minlength=buckets)
     keep = total > 0
     return centre[keep] / total[keep], total[keep]
 
 
+@dataclass(frozen=True)
+class _PreparedM:
+    """What every attempt of the guard shares for one ``exp_avg``: the entries that may be
+    kept at all (finite, non-zero, with a finite positive importance), their values and
+    importance widened once, and their log2 bucket numbers (the float64 log2 was most of a
+    histogram). An attempt only drops some of them; empty buckets fall out as before."""
+
+    usable: np.ndarray
+    values: np.ndarray
+    weights: np.ndarray
+    keys: np.ndarray
+    buckets: int
+
+    @classmethod
+    def of(cls, m: np.ndarray, importance: np.ndarray) -> _PreparedM:
+        usable = np.isfinite(m) & (m != 0) & np.isfinite(importance) & (importance > 0)
+        values = m[usable].astype(np.float64)
+        keys = _bucket_keys(values, log_steps(values))
+        return cls(usable, values, importance[usable].astype(np.float64), keys,
+                   int(keys.max()) + 1 if keys.size else 0)
+
+    def histogram(self, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`_importance_histogram` of the usable entries not in ``drop``."""
+        kept = ~drop[self.usable]
+        return _weighted_buckets(self.keys[kept], self.buckets, self.values[kept], self.weights[kept])
+
+
+def _importance_histogram(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-zero finite ``values`` bucketed by sign and log2 magnitude (1/LOG_RESOLUTION octave):
+    (each bucket's weighted mean value, its summed weight) - a few thousand points to cluster."""
+    uniq, inverse = unique_inverse(_bucket_keys(values, log_steps(values)))
+    return _weighted_buckets(inverse, uniq.size, values, weights)
+
+
 def quantize_exp_avg(m: np.ndarray, drop: np.ndarray, levels: int, dtype: str,
                      importance: np.ndarray | None = None,
-                     steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     prepared: _PreparedM | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(stored m, codebook): ``drop`` entries 0, the rest on ``levels`` centres with 0 pinned.
 
     ``importance`` (per entry; ``1 / (sqrt(v_hat) + eps)^2``, how much an error in m moves the
     update) weighs the k-means, so the codebook minimises the *update's* squared error, not
     m's: a small m under a tiny v drives a large step and gets the resolution it needs. With
-    no importance the weights' own codebook fitter is used. ``steps``: :func:`log_steps` of
-    ``m``, when the caller quantizes the same m several times."""
-    keep = ~drop & np.isfinite(m) & (m != 0)
-    if importance is not None:
-        keep &= np.isfinite(importance) & (importance > 0)
-    kept = m[keep]
-    if kept.size == 0:
+    no importance the weights' own codebook fitter is used. ``prepared``: ``_PreparedM.of(m,
+    importance)``, when the caller quantizes the same m several times (the same result)."""
+    if importance is not None and prepared is None:
+        prepared = _PreparedM.of(m, importance)
+    if prepared is not None:
+        points, weights = prepared.histogram(drop)
+        kept_any = points.size > 0
+    else:
+        kept = m[~drop & np.isfinite(m) & (m != 0)]
+        kept_any = kept.size > 0
+    if not kept_any:
         codebook = np.zeros(1)
-    elif importance is None:
+    elif prepared is None:
         codebook = fit_codebook(kept, levels, include_zero=True, dtype=dtype)
     else:
-        points, weights = _importance_histogram(kept.astype(np.float64), importance[keep].astype(np.float64),
-                                                None if steps is None else steps[keep])
         centres = weighted_kmeans(points, weights, levels - 1, sigma=1.0)
         codebook = np.unique(through_dtype(centres, dtype).astype(np.float64))
     if not (codebook == 0.0).any():
@@ -533,7 +566,7 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         m_importance = 1.0 / (np.sqrt(np.maximum(v, 0) / c2) + h.eps) ** 2
         v_importance = exact.astype(np.float64) ** 2
-    m_steps = log_steps(m)  # every attempt buckets the same m
+    m_prepared = _PreparedM.of(m, m_importance)  # every attempt buckets the same m
     attempts = policy.attempts()
     joint_matters = weight_pruned is not None and bool(weight_pruned.any())
     tried: set[tuple[float, int, int, bool]] = set()
@@ -545,7 +578,7 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
         drop = smallest_mask(exact, prune) if prune > 0 else np.zeros(m.shape, bool)
         if joint and weight_pruned is not None:
             drop |= weight_pruned
-        m_q, m_cb = quantize_exp_avg(m, drop, m_levels, dtype, m_importance, m_steps)
+        m_q, m_cb = quantize_exp_avg(m, drop, m_levels, dtype, m_importance, m_prepared)
         if v_levels not in v_cache:
             v_cache[v_levels] = quantize_exp_avg_sq(v, v_levels, dtype, v_importance, previous_v)
         v_q, v_cb = v_cache[v_levels]
