@@ -543,3 +543,51 @@ def test_importance_histogram_orders_buckets_as_the_signed_keys_sort(seed: int, 
     keep = total > 0
     points, mass = _importance_histogram(values, weights)
     assert np.array_equal(points, centre[keep] / total[keep]) and np.array_equal(mass, total[keep])
+
+
+def _reference_exp_avg(m: np.ndarray, drop: np.ndarray, levels: int, importance: np.ndarray) -> np.ndarray:
+    """quantize_exp_avg as first written: a histogram by sorting the kept entries' signed keys."""
+    from inshrink_store.policy.kmeans import through_dtype, weighted_kmeans
+    from inshrink_store.policy.moments import LOG_RESOLUTION, _snap
+
+    keep = ~drop & np.isfinite(m) & (m != 0) & np.isfinite(importance) & (importance > 0)
+    kept, w = m[keep].astype(np.float64), importance[keep].astype(np.float64)
+    if kept.size == 0:
+        codebook = np.zeros(1)
+    else:
+        signed = np.sign(kept).astype(np.int64) * (np.round(np.log2(np.abs(kept)) * LOG_RESOLUTION).astype(np.int64)
+                                                   + (1 << 20))
+        uniq, inverse = np.unique(signed, return_inverse=True)
+        total = np.bincount(inverse.ravel(), weights=w, minlength=uniq.size)
+        centre = np.bincount(inverse.ravel(), weights=w * kept, minlength=uniq.size)
+        nonempty = total > 0
+        centres = weighted_kmeans(centre[nonempty] / total[nonempty], total[nonempty], levels - 1, sigma=1.0)
+        codebook = np.unique(through_dtype(centres, "F32").astype(np.float64))
+    if not (codebook == 0.0).any():
+        codebook = np.union1d(codebook, [0.0])
+    out = _snap(m, codebook)
+    out[drop & np.isfinite(m)] = 0.0
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 4000), levels=st.sampled_from([3, 8, 16, 32]),
+       dropped=st.floats(0, 1), special=st.booleans())
+def test_exp_avg_quantized_with_a_prepared_m_equals_the_sorting_original(seed: int, n: int, levels: int,
+                                                                         dropped: float, special: bool) -> None:
+    """Every attempt of the guard shares one prepared m: it must store exactly what the first
+    implementation (sorting each attempt's kept entries) stored, attempt after attempt."""
+    from inshrink_store.policy.moments import _PreparedM, quantize_exp_avg
+
+    rng = np.random.default_rng(seed)
+    m = (rng.standard_t(3, n) * 1e-3).astype(np.float32)
+    importance = rng.uniform(0, 1e6, n).astype(np.float32)
+    if special:
+        m[rng.random(n) < 0.1] = 0.0
+        m[rng.random(n) < 0.02] = np.nan
+        importance[rng.random(n) < 0.05] = 0.0
+    prepared = _PreparedM.of(m, importance)
+    for attempt in range(2):
+        drop = rng.random(n) < dropped / (attempt + 1)
+        stored, _ = quantize_exp_avg(m, drop, levels, "F32", importance, prepared)
+        assert np.array_equal(stored, _reference_exp_avg(m, drop, levels, importance), equal_nan=True)
