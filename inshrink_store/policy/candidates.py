@@ -132,13 +132,13 @@ class Candidates:
         return StateQuantizer(inputs, config, cache=self.cache)
 
     def estimated_bytes(self, config: QuantConfig) -> int:
-        """Bytes the scope's tensors would take under ``config``, estimated from the sketches
-        (quantized tensors, :func:`~inshrink_store.policy.estimate.estimated_bytes`) and the
-        measured lossless bytes of the others."""
+        """Bytes the scope's tensors would take under ``config``: the quantized tensors estimated
+        from their parts and a sample of each (:func:`~inshrink_store.policy.estimate.estimated_bytes`),
+        the others' lossless bytes measured."""
         quantizer = self.quantizer(config)
 
         def one(path: str) -> int:
-            return estimated_bytes(quantizer.part(path), quantizer.fresh_codebook(path))
+            return estimated_bytes(quantizer.part(path), quantizer.fresh_codebook(path), quantizer.sample(path))
 
         quantized = sum(map_in_order(one, quantizer.names, write_threads(), "inshrink-estimate"))
         return quantized + sum(self.estimator.lossless_bytes_of(p) for p in self.estimator.paths

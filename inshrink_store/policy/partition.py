@@ -37,7 +37,7 @@ from inshrink_store.policy.sketch import BLOCK, LogSketch
 __all__ = [
     "LAYER_TYPES", "Part", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
     "fresh_codebook", "part_key", "protected_mask", "protected_words", "prune_thresholds", "quantize_state",
-    "quantize_tensor", "tensor_part",
+    "quantize_tensor", "sample_index", "tensor_part",
 ]
 
 LAYER_TYPES = ("linear", "conv", "embedding", "norm", "other")
@@ -361,32 +361,15 @@ class Part:
     protected: int
     pruned: int
     size: int
-    #: the protected elements as the payload stores them: words of ``protected_dtype`` in
-    #: element order, at most :data:`KEPT_WORDS` of them, evenly chosen (a cache holds many
-    #: parts: it must not hold a model's worth of words). The top values by magnitude are far
-    #: from random bytes, so the estimate codes these very words rather than assume a size.
-    protected_words: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint16))
+    #: the dtype the protected values are stored as, and all of them zstd-coded alone, as a
+    #: keyframe codes them when they fill blocks of their own (raw when that is smaller)
     protected_dtype: str = "bfloat16"
-    #: every protected word zstd-coded alone, as a keyframe codes them when they fill blocks
-    #: of their own (raw when that is smaller)
     protected_bytes: int = 0
-
-
-#: protected words a :class:`Part` keeps: the estimate codes them with a sample of at most
-#: 64 Ki ids, where 0.05-2 % protection is 33-1,300 of them
-KEPT_WORDS = 4096
 
 
 def protected_words(w: np.ndarray, protected: np.ndarray, protected_dtype: str) -> np.ndarray:
     """The protected elements' words in ``protected_dtype``, in element order (a gather of few)."""
     return np.ascontiguousarray(dtype_registry.by_codec_name(protected_dtype).from_float32(w[protected]))
-
-
-def evenly(words: np.ndarray, count: int) -> np.ndarray:
-    """``count`` of ``words`` taken at evenly spaced positions (all of them when count >= size)."""
-    if count >= words.size:
-        return words
-    return words[np.linspace(0, words.size - 1, count).astype(np.int64)] if count else words[:0]
 
 
 def coded_words_bytes(words: np.ndarray) -> int:
@@ -401,9 +384,8 @@ class PartitionCache:
 
     The search quantizes the same tensors under many configurations; those with the same
     protect / prune / metric have the same rest, hence the same sketch, the costliest
-    step of fitting a codebook. Only sketches, counts, codebooks and at most
-    :data:`KEPT_WORDS` protected words per part are kept (tens of KB each), never masks or
-    values, so a cache costs no model-sized memory. Results are
+    step of fitting a codebook. Only sketches, counts and codebooks are kept (a few KB
+    each), never masks or values, so a cache costs no model-sized memory. Results are
     identical with or without one. Keep one per checkpoint (keys are tensor names)."""
 
     def __init__(self) -> None:
@@ -448,8 +430,7 @@ def part_key(name: str, t: TensorInput, config: QuantSettings,
 def _new_part(w: np.ndarray, protected: np.ndarray, pruned: np.ndarray, sketch: LogSketch,
               protected_dtype: str) -> Part:
     words = protected_words(w, protected, protected_dtype)
-    return Part(sketch, int(words.size), _count(pruned), int(w.size), evenly(words, KEPT_WORDS), protected_dtype,
-                coded_words_bytes(words))
+    return Part(sketch, int(words.size), _count(pruned), int(w.size), protected_dtype, coded_words_bytes(words))
 
 
 def _count(mask: np.ndarray) -> int:
@@ -591,6 +572,35 @@ def quantize_state(tensors: Mapping[str, TensorInput], config: QuantSettings,
     return {name: plan.quantize(name) for name in plan.names}
 
 
+#: elements of a tensor the byte estimate quantizes for real: :data:`SAMPLE_BLOCKS` evenly
+#: spaced runs of contiguous elements (runs, not scattered elements: pruning by sensitivity
+#: zeroes whole rows and columns, and the coder's matches depend on that layout)
+SAMPLE_SIZE = 1 << 16
+SAMPLE_BLOCKS = 16
+
+
+def sample_index(size: int, sample: int = SAMPLE_SIZE, blocks: int = SAMPLE_BLOCKS) -> np.ndarray:
+    """Flat indices of ``blocks`` evenly spaced runs of ``sample // blocks`` contiguous
+    elements (every index when ``size <= sample``), ascending."""
+    if size <= sample:
+        return np.arange(size)
+    run = sample // blocks
+    starts = np.linspace(0, size - run, blocks).astype(np.int64)
+    return (starts[:, None] + np.arange(run)[None, :]).ravel()
+
+
+@dataclass(frozen=True)
+class TensorSample:
+    """A sample of one tensor's elements with the masks the tensor's own masks give them:
+    ``values`` (float32), ``protected`` and ``pruned`` at each sampled element, and ``size``,
+    the whole tensor's element count."""
+
+    values: np.ndarray
+    protected: np.ndarray
+    pruned: np.ndarray
+    size: int
+
+
 class StateQuantizer:
     """The pooled (whole-state) half of quantization done up front, the per-tensor half
     on demand: validates inputs and computes prune thresholds per layer type, then
@@ -629,6 +639,34 @@ class StateQuantizer:
     def part(self, name: str) -> Part:
         """``name``'s :class:`Part` under this configuration (cached when the quantizer has a cache)."""
         return tensor_part(self.chosen[name], self.config, self.threshold(name), cache=self.cache, name=name)
+
+    def sample(self, name: str, index: np.ndarray | None = None) -> TensorSample:
+        """``name``'s elements at ``index`` (default :func:`sample_index`) with the masks
+        :func:`quantize_tensor` gives them: the same cuts (found on the whole tensor, cached)
+        and the same threshold, compared element by element as there."""
+        t = self.chosen[name]
+        w = _as_float32(t).ravel()
+        index = sample_index(w.size) if index is None else index
+        values = w[index]
+        protected = ~np.isfinite(values)
+        count = int(round(self.config.protect * w.size))
+        if count > 0:
+            for which, source in (("values", w), ("sensitivity", t.sensitivity)):  # as _masks passes them
+                if source is None:
+                    continue
+                array = np.asarray(source)
+                if self.cache is not None:
+                    cut = self.cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
+                else:
+                    cut = _top_cut(array, count)
+                mag = np.abs(array.ravel()[index])
+                protected |= (mag > 0) if cut <= 0 else (mag >= cut)
+        pruned = np.zeros(values.size, bool)
+        threshold = self.threshold(name)
+        if threshold is not None:
+            scores = t.sensitivity if _metric(t, self.config) == "sensitivity" else t.values
+            pruned = (np.abs(np.asarray(scores).ravel()[index]) <= threshold) & ~protected
+        return TensorSample(values, protected, pruned, int(w.size))
 
     def fresh_codebook(self, name: str) -> np.ndarray:
         """The codebook ``name`` gets fitted afresh under this configuration (see :func:`fresh_codebook`)."""

@@ -44,7 +44,7 @@ from inshrink_store.codecs import _payload
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
-from inshrink_store.policy.partition import protected_mask, sum_of_products
+from inshrink_store.policy.partition import protected_mask, sample_index, sum_of_products
 from inshrink_store.policy.sketch import LogSketch
 
 #: codebook sizes priced per tensor; the largest keeps ids one byte wide (254 + protected id)
@@ -69,11 +69,9 @@ class Option:
 
 def sample_positions(size: int) -> np.ndarray:
     """Flat positions of the estimate's sample: 16 contiguous blocks of 4096 spread evenly
-    over the tensor (every position when the tensor is smaller)."""
-    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
-        return np.arange(size)
-    starts = np.linspace(0, size - SAMPLE_BLOCK, SAMPLE_BLOCKS).astype(np.int64)
-    return (starts[:, None] + np.arange(SAMPLE_BLOCK)[None, :]).ravel()
+    over the tensor (every position when the tensor is smaller); the search's byte estimate
+    samples the same way (:func:`~inshrink_store.policy.partition.sample_index`)."""
+    return sample_index(size, SAMPLE_BLOCKS * SAMPLE_BLOCK, SAMPLE_BLOCKS)
 
 
 def _protected_error(values: np.ndarray, protected: np.ndarray, dtype: str, protected_dtype: str) -> float:

@@ -328,7 +328,9 @@ def test_a_search_cache_gives_the_same_parts_and_plans_as_none(seed: int, prune:
         plain = StateQuantizer({"w": t}, config)
         a, b = cached.part("w"), plain.part("w")
         assert (a.protected, a.pruned, a.size) == (b.protected, b.pruned, b.size)
-        assert np.array_equal(a.protected_words, b.protected_words)
+        assert (a.protected_dtype, a.protected_bytes) == (b.protected_dtype, b.protected_bytes)
+        sa, sb = cached.sample("w"), plain.sample("w")
+        assert np.array_equal(sa.protected, sb.protected) and np.array_equal(sa.pruned, sb.pruned)
         for field in ("pos_keys", "pos_counts", "neg_keys", "neg_counts", "zero_count", "nonfinite_count"):
             assert np.array_equal(getattr(a.sketch, field), getattr(b.sketch, field))
         assert np.array_equal(cached.quantize("w").values, plain.quantize("w").values)
