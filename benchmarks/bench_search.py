@@ -9,8 +9,9 @@ its CPU time is left out of every figure. Each checkpoint is searched twice on t
 data, side by side:
 
 - **estimated** (what the library does): candidates ranked by ratios estimated from their
-  sketches (``policy/estimate.py``), only the evaluated ones quantized, the chosen one
-  encoded once to record its real ratio;
+  parts and samples (``policy/estimate.py``), only the evaluated ones quantized, and the
+  feasible ones close to the best measured to decide (the chosen one's measured ratio in
+  the table is taken afterwards, untimed);
 - **measured** (what it did before): every candidate the search ranks quantized and
   encoded to measure its ratio.
 
@@ -157,8 +158,9 @@ def to_markdown(r: dict[str, Any]) -> str:
         "(every weight moved a little) the neighbourhood of the first's choice. `eval_fn` is a stand-in "
         f"(1 - relative L2 error, tolerance {TOLERANCE:g}); its CPU is left out of every figure. Each search ran "
         f"{REPEAT} times on the same data; shown is the run that used the least CPU. *Estimated* is the library: "
-        "candidates ranked by ratios estimated from their sketches, only evaluated ones quantized, none "
-        "encoded before the write (the measured ratio column is measured afterwards, untimed). *Measured* is the search before: every ranked candidate quantized and encoded. "
+        "candidates ranked by ratios estimated from a sample of each tensor, only evaluated ones quantized, the "
+        "feasible ones within 15 % of the best estimate measured to decide (the measured ratio column is taken "
+        "afterwards, untimed). *Measured* is the search before: every ranked candidate quantized and encoded. "
         "*Search + save* adds writing the chosen plans into a fresh local store. CPU is the process's, "
         "every thread (tensors are estimated and planned on the writer's threads).",
         "",

@@ -4,7 +4,7 @@
 once and returns a :class:`PlanSet` with its measured ratio; it is a repository planner
 too. :class:`Candidates` serves a search over one state: it shares the sketches, counts
 and codebooks of all configurations (a :class:`PartitionCache`), estimates each
-configuration's ratio from them without quantizing anything
+configuration's ratio from them and a sample of each tensor without quantizing the model
 (:mod:`inshrink_store.policy.estimate`), plans only the configurations the search
 evaluates, keeps the most recent few PlanSets (each is a quantized copy of the model)
 and remembers every ratio, so re-planning an evicted candidate is cheap and never

@@ -37,7 +37,7 @@ class QuantizationRecord:
     (None without one). ``tolerance`` / ``higher_is_better``: the acceptance rule.
     ``search``: every trial and the mode (None when nothing was searched).
     ``model_ratio_estimate``: the chosen configuration's model ratio as a keyframe (None:
-    lossless): estimated from the sketches (:mod:`inshrink_store.policy.estimate`; versions
+    lossless): estimated from a sample of each tensor (:mod:`inshrink_store.policy.estimate`; versions
     written before the estimate existed hold one measured by encoding); what was really
     stored, deltas included, is in ``du``.
     ``allocation``: the per-tensor allocation the model tensors were stored with (then
