@@ -176,11 +176,14 @@ def run(quick: bool = False) -> dict[str, Any]:
     n_params = 4_000_000 if quick else 32_000_000
     weights = make_weights(n_params)
     default = CONFIGS["inshrink 16 bins, protect 0.5 %"]
-    synthetic = {"logical": sum(v.nbytes for v in weights.values()),
+    synthetic: dict[str, Any] = {"logical": sum(v.nbytes for v in weights.values()),
                  "params": sum(v.size for v in weights.values()), "rows": _methods(weights)}
     for r in synthetic["rows"].values():
         r.pop("back")
-    synthetic["peak_x"], synthetic["cache_x"] = save_peak_memory(weights, default)
+    # the peak depends on how the writer's threads interleave: the worst of 3 saves, and the best
+    peaks = [save_peak_memory(weights, default) for _ in range(1 if quick else 3)]
+    synthetic["peak_x"], synthetic["cache_x"] = max(peaks)
+    synthetic["peak_low_x"] = min(peaks)[0]
     big = np.concatenate([weights[k].ravel() for k in sorted(weights) if k.endswith("weight")][:4])
     speed = codec_speed(big, default, repeats=2 if quick else 3)
     del weights, big
@@ -226,9 +229,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"- NUQ codec alone on a {c['params'] / 1e6:.1f} M-element tensor (16 levels, one thread): "
         f"encode **{c['enc_mps']:.0f} M params/s** (target ≥ 50 per core), decode **{c['dec_mps']:.0f} "
         f"M params/s** (target ≥ 150 per core).",
-        f"- Peak memory of a quantized save of the whole {logical / 1e6:.0f} MB state: "
-        f"**{syn['peak_x']:.2f}×** the model's bytes on top of the model itself (tensors are "
-        f"planned and encoded a few at a time), of which {syn['cache_x']:.2f}× is the object "
+        f"- Peak memory of a quantized save of the whole {logical / 1e6:.0f} MB state, the worst of "
+        f"3 saves: **{syn['peak_x']:.2f}×** the model's bytes on top of the model itself (the best "
+        f"{syn.get('peak_low_x', syn['peak_x']):.2f}×: it depends on how the writer's threads "
+        f"interleave; tensors are planned and encoded a few at a time), of which {syn['cache_x']:.2f}× is the object "
         "cache: the quantized payloads kept after the save for the next version's delta (at "
         f"most 512 MiB); working memory alone {syn['peak_x'] - syn['cache_x']:.2f}×. "
         f"Per tensor: planning {c['plan_peak_x']:.1f}×, "

@@ -60,8 +60,13 @@ def to_markdown(results: dict[str, Any]) -> str:
         working = peak - cache
         met = "yes" if peak <= 0.5 else (
             f"working memory yes ({working:.2f}x); with the object cache of quantized payloads kept for the next "
-            f"delta ({cache:.2f}x, at most 512 MiB) no" if working <= 0.5 else "no")
-        lines.append(f"| peak extra memory of a save: <= 0.5x the model | {peak:.2f}x | {met} | quantization |")
+            f"delta ({cache:.2f}x, at most 512 MiB) no" if working <= 0.5 else
+            f"no: working memory {working:.2f}x (several tensors planned at once on the writer's threads, each "
+            f"2.8x its own bytes while planned) plus the object cache of quantized payloads kept for the next "
+            f"delta ({cache:.2f}x, at most 512 MiB)")
+        low = syn.get("peak_low_x", peak)
+        lines.append(f"| peak extra memory of a save: <= 0.5x the model | {peak:.2f}x (worst of 3; best {low:.2f}x) "
+                     f"| {met} | quantization |")
     scaling = results.get("scaling")
     if scaling:
         sizes = [r["params"] for r in scaling["rows"]]
