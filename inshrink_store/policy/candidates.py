@@ -40,6 +40,15 @@ def _frozen(plan: ArrayPlan) -> ArrayPlan:
     return plan
 
 
+def state_quantizer(config: QuantConfig, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
+                    previous: Mapping[str, dict[str, Any]], sensitivity: Mapping[str, np.ndarray],
+                    module_kinds: Mapping[str, str], scope: str, cache: PartitionCache | None) -> StateQuantizer:
+    """The quantizer of the eligible tensors under ``scope`` with ``config`` (nothing quantized yet)."""
+    paths = eligible(tensors, dtypes, config.min_numel, scope)
+    return StateQuantizer(tensor_inputs(paths, tensors, dtypes, previous, sensitivity, module_kinds), config,
+                          cache=cache)
+
+
 class CandidatePlanner:
     """Plans the tensors under ``scope`` with one configuration, all at once, and measures them.
 
@@ -61,9 +70,8 @@ class CandidatePlanner:
 
     def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
              previous: Mapping[str, dict[str, Any]]) -> PlanSet:
-        paths = eligible(tensors, dtypes, self.config.min_numel, self.scope)
-        inputs = tensor_inputs(paths, tensors, dtypes, previous, self.sensitivity, self.module_kinds)
-        quantizer = StateQuantizer(inputs, self.config, cache=self.cache)
+        quantizer = state_quantizer(self.config, tensors, dtypes, previous, self.sensitivity, self.module_kinds,
+                                    self.scope, self.cache)
 
         def one(path: str) -> ArrayPlan:
             return _frozen(array_plan(quantizer.quantize(path), dtypes[path], self.config.protected_dtype))
@@ -127,9 +135,8 @@ class Candidates:
 
     def quantizer(self, config: QuantConfig) -> StateQuantizer:
         """The state's quantizer under ``config`` (thresholds pooled; nothing quantized yet)."""
-        paths = eligible(self.tensors, self.dtypes, config.min_numel, self.scope)
-        inputs = tensor_inputs(paths, self.tensors, self.dtypes, self.previous, self.sensitivity, self.module_kinds)
-        return StateQuantizer(inputs, config, cache=self.cache)
+        return state_quantizer(config, self.tensors, self.dtypes, self.previous, self.sensitivity, self.module_kinds,
+                               self.scope, self.cache)
 
     def estimated_bytes(self, config: QuantConfig) -> int:
         """Bytes the scope's tensors would take under ``config``: the quantized tensors estimated

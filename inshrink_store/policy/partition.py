@@ -201,11 +201,13 @@ def _top_mask(values: np.ndarray, count: int, out: np.ndarray, cut: Any = None) 
 
 
 def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float, *,
-                   cache: PartitionCache | None = None, name: str | None = None) -> np.ndarray:
+                   cache: PartitionCache | None = None, name: str | None = None,
+                   at: np.ndarray | None = None) -> np.ndarray:
     """Non-finite values, the top ``fraction`` by ``|w|`` and the top ``fraction`` by ``|s|``.
     With ``cache`` and the tensor's ``name``, each selection's cut is found once per
-    fraction (it is most of the cost; the comparison is a pass)."""
-    mask = ~np.isfinite(values)
+    fraction (it is most of the cost; the comparison is a pass). ``at``: only these flat
+    positions (a 1-D mask of them), still judged against the whole tensor's cuts."""
+    mask = ~np.isfinite(values if at is None else values.ravel()[at])
     count = int(round(fraction * values.size))
     if count > 0:
         for which, source in (("values", values), ("sensitivity", sensitivity)):
@@ -215,7 +217,9 @@ def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction:
             cut = None
             if cache is not None and name is not None:
                 cut = cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
-            _top_mask(array, count, mask, cut)
+            elif at is not None:
+                cut = _top_cut(array, count)  # on the whole tensor, not on the positions
+            _top_mask(array if at is None else array.ravel()[at], count, mask, cut)
     return mask
 
 
@@ -645,22 +649,10 @@ class StateQuantizer:
         :func:`quantize_tensor` gives them: the same cuts (found on the whole tensor, cached)
         and the same threshold, compared element by element as there."""
         t = self.chosen[name]
-        w = _as_float32(t).ravel()
+        w = _as_float32(t)
         index = sample_index(w.size) if index is None else index
-        values = w[index]
-        protected = ~np.isfinite(values)
-        count = int(round(self.config.protect * w.size))
-        if count > 0:
-            for which, source in (("values", w), ("sensitivity", t.sensitivity)):  # as _masks passes them
-                if source is None:
-                    continue
-                array = np.asarray(source)
-                if self.cache is not None:
-                    cut = self.cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
-                else:
-                    cut = _top_cut(array, count)
-                mag = np.abs(array.ravel()[index])
-                protected |= (mag > 0) if cut <= 0 else (mag >= cut)
+        values = w.ravel()[index]
+        protected = protected_mask(w, t.sensitivity, self.config.protect, cache=self.cache, name=name, at=index)
         pruned = np.zeros(values.size, bool)
         threshold = self.threshold(name)
         if threshold is not None:
