@@ -299,9 +299,9 @@ class _PreparedM:
 
 def _importance_histogram(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Non-zero finite ``values`` bucketed by sign and log2 magnitude (1/LOG_RESOLUTION octave):
-    (each bucket's weighted mean value, its summed weight) - a few thousand points to cluster."""
-    uniq, inverse = unique_inverse(_bucket_keys(values, log_steps(values)))
-    return _weighted_buckets(inverse, uniq.size, values, weights)
+    (each bucket's weighted mean value, its summed weight) - a few thousand points to cluster.
+    The guard's path (:class:`_PreparedM`) with nothing dropped."""
+    return _PreparedM.of(values, weights).histogram(np.zeros(np.shape(values), bool))
 
 
 def quantize_exp_avg(m: np.ndarray, drop: np.ndarray, levels: int, dtype: str,
