@@ -52,6 +52,13 @@ PACKED_HEADER = struct.Struct("<BBBQBQQ")
 SAMPLE = 1 << 16
 ZSTD_SLACK = 64
 RANK_BITS = (1, 2, 4)
+#: planes smaller than this try every coder that can win (Huffman costs ~0.1 ms there); from
+#: here to a trial's size, zstd on the whole plane is the trial that decides Huffman (on a
+#: 128 KiB plane Huffman costs 0.9 ms, 3x zstd)
+TRY_ALL_BELOW = 1 << 14
+#: zstd is not tried on a packable plane whose first bytes pack this much smaller than
+#: zstd codes them (:func:`_packing_wins`)
+PACK_MARGIN = 0.03
 #: inputs from this many bytes up are looked up by byte pairs (the pair table costs ~10 us)
 PAIR_LOOKUP_MIN = 1 << 14
 _DEFLATE = (1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)  # level, raw deflate, memLevel 9
@@ -108,6 +115,17 @@ def _zstd_trial(data: np.ndarray, level: int) -> tuple[int, float] | None:
     return coded, entropy_bytes(np.bincount(head, minlength=256))
 
 
+def _packing_wins(data: np.ndarray, hist: np.ndarray, level: int, zstd_head: int) -> bool:
+    """Whether packing the first :data:`SAMPLE` bytes of ``data`` gives at most
+    ``1 - PACK_MARGIN`` of ``zstd_head`` (zstd's size on them, the trial's): then zstd is
+    not tried on the whole plane.
+
+    Why: on an exponent plane whose zstd trial comes near the order-0 bound, zstd was tried
+    on the whole plane (a 4 MiB bfloat16 chunk: 5 ms, 1.5x the rest of its encoding) and lost
+    to packing (pairs of ranks beat an order-0 code) by 7-8 %. The head decides it for 0.1 ms."""
+    return len(pack(data[:SAMPLE], hist, level)) <= (1 - PACK_MARGIN) * zstd_head
+
+
 #: a stream's stored bytes as :func:`stream_body` gives them: a raw stream is the plane itself
 Body = bytes | np.ndarray
 
@@ -137,9 +155,13 @@ def stream_body(data: np.ndarray, level: int, packable: bool = False) -> tuple[i
 
     - zstd where its trial beats an order-0 code (runs, zeros, repeated rows), or comes
       within :data:`HUFFMAN_GAIN` of the order-0 bound on a skewed plane (Huffman could win
-      at most that much there, at an eighth of zstd's speed);
+      at most that much there, at an eighth of zstd's speed), unless the plane packs and its
+      head packs clearly smaller than zstd codes it (:func:`_packing_wins`);
     - packing or Huffman on skewed planes (Huffman only where zstd's trial is further off);
     - raw always (near-random planes: the low mantissa bytes).
+
+    A plane too small for a trial tries every coder that can win below
+    :data:`TRY_ALL_BELOW` bytes; from there, zstd on the whole plane is its trial.
 
     A raw body is ``data`` itself (a flat uint8 array), not a copy: the callers join the
     bodies into their output, and copying a plane no coder shrank (the low mantissa bytes)
@@ -152,13 +174,22 @@ def stream_body(data: np.ndarray, level: int, packable: bool = False) -> tuple[i
     hist = np.bincount(seen, minlength=256)
     top = np.sort(hist)[::-1]
     skewed = bool(top[1]) and entropy_bytes(hist) < HUFFMAN_WORTH * seen.size  # and not constant
+    packs = skewed and packable and top[:15].sum() >= PACK_COVERAGE * seen.size
     trial = _zstd_trial(data, level)
+    candidates: list[tuple[int, Any]] = []
+    if trial is None and skewed and not packs and data.size >= TRY_ALL_BELOW:
+        # a mid-sized skewed plane: zstd on all of it is its own trial, and decides Huffman
+        # as the trial decides it on a large plane (the sample's entropy scaled to the plane)
+        whole = zstandard.ZstdCompressor(level=level).compress(_buffer(data))
+        candidates.append((ZSTD, lambda: whole))
+        trial = (len(whole), entropy_bytes(hist) * data.size / seen.size)
     near_bound = trial is not None and skewed and trial[0] <= (1 + HUFFMAN_GAIN) * trial[1] + ZSTD_SLACK
-    candidates = []
-    if trial is None or trial[0] < trial[1] + ZSTD_SLACK or near_bound:
+    zstd_can_win = trial is None or trial[0] < trial[1] + ZSTD_SLACK or near_bound
+    packing_wins = packs and trial is not None and zstd_can_win and _packing_wins(data, hist, level, trial[0])
+    if not candidates and zstd_can_win and not packing_wins:
         candidates.append((ZSTD, lambda: zstandard.ZstdCompressor(level=level).compress(_buffer(data))))
     if skewed:
-        if packable and top[:15].sum() >= PACK_COVERAGE * seen.size:
+        if packs:
             candidates.append((PACKED, lambda: pack(data, hist, level)))
         elif not near_bound:
             candidates.append((HUFFMAN, lambda: huffman(data)))
@@ -277,14 +308,78 @@ def lookup(table: np.ndarray, data: np.ndarray) -> np.ndarray:
     return out
 
 
+def _pair_table(rank_of: np.ndarray, bits: int) -> np.ndarray:
+    """65,536 bytes: entry ``hi * 256 + lo`` is ``rank_of[lo] | rank_of[hi] << bits``, the two
+    ranks of a byte pair packed as :func:`pack_ranks` packs them (first in the lowest bits)."""
+    wide = rank_of.astype("<u2")
+    return ((wide << bits)[:, None] | wide).reshape(-1).astype(np.uint8)
+
+
+def _packed_by_pairs(data: np.ndarray, bits: int, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(packed ranks, escapes) for ``bits`` 2 or 4 and a ``table`` with a rank left for the
+    escape: the same bytes as ranking, packing and masking element by element, in a third of
+    the passes over the plane.
+
+    Why: the exponent plane of every float chunk is packed, and ranking it byte by byte, then
+    packing, then masking the escapes took a quarter of a bfloat16 chunk's encoding. Here one
+    lookup of each byte *pair* (a 65,536-entry table) gives the two ranks already packed; the
+    escapes (rare: values outside the table) are found from the packed pairs, and only the
+    pairs holding one are read again."""
+    k = table.size
+    rank_of = np.full(256, k, np.uint8)
+    rank_of[table] = np.arange(k, dtype=np.uint8)
+    n = data.size
+    even = n & ~1
+    pairs = np.empty(-(-n // 2), np.uint8)
+    np.take(_pair_table(rank_of, bits), data[:even].view("<u2"), out=pairs[: even // 2], mode="wrap")
+    if n & 1:
+        pairs[-1] = rank_of[data[-1]]  # the last element alone, its partner's rank 0 (padding)
+    mask = np.uint8((1 << bits) - 1)
+    holds_escape = (pairs & mask) == k
+    holds_escape |= (pairs >> np.uint8(bits)) == k  # the padding's rank 0 is never the escape's (k >= 1)
+    at = np.flatnonzero(holds_escape)
+    escapes = np.zeros(0, np.uint8)
+    if at.size:
+        positions = np.empty((at.size, 2), np.intp)
+        positions[:, 0] = 2 * at
+        positions[:, 1] = 2 * at + 1
+        flat = positions.reshape(-1)
+        flat = flat[flat < n]  # the padding of an odd plane holds no element
+        values = data[flat]
+        escapes = values[rank_of[values] == k]  # in element order, as the mask gives them
+    if bits == 4:
+        return pairs, escapes
+    if pairs.size & 1:  # bits 2: two pairs of ranks to a byte
+        pairs = np.append(pairs, np.uint8(0))
+    return pairs[0::2] | (pairs[1::2] << np.uint8(4)), escapes
+
+
+def _packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(bits, table, packed ranks, escapes): :func:`_ranks` and :func:`pack_ranks`, through
+    :func:`_packed_by_pairs` wherever the table the sample gives is final (same bytes)."""
+    distinct = int(np.count_nonzero(hist))
+    bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
+    table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)
+    if distinct > table.size:
+        # more values in the sample than 16 ranks: values outside the table are certain, so
+        # (as _ranks decides after a pass) the rarest of the 16 leaves the table for the escape
+        table = table[:-1]
+    if bits in (2, 4) and table.size < 1 << bits and data.size >= PAIR_LOOKUP_MIN:
+        packed, escapes = _packed_by_pairs(data, bits, table)
+        return bits, table, packed, escapes
+    # small planes, one bit, or a full table (whether it must widen is known after a pass)
+    bits, table, ranks, escaped = _ranks(data, hist)
+    escapes = data[escaped] if escaped is not None else np.zeros(0, np.uint8)
+    return bits, table, pack_ranks(ranks, bits), escapes
+
+
 def pack(data: np.ndarray, hist: np.ndarray, level: int) -> bytes:
     """The packed form of ``data``: ranks of its commonest values (per the sample histogram
     ``hist``), ``8 // bits`` to a byte (first element in the lowest bits), the other values
     as escapes in order. The packed ranks and the escapes are each coded raw, zstd or
     Huffman, so the bytes depend on the data only."""
-    bits, table, ranks, escaped = _ranks(data, hist)
-    escapes = data[escaped] if escaped is not None else np.zeros(0, np.uint8)
-    p_coder, p_body = stream_body(pack_ranks(ranks, bits), level)
+    bits, table, packed, escapes = _packed(data, hist)
+    p_coder, p_body = stream_body(packed, level)
     e_coder, e_body = stream_body(escapes, level)
     head = PACKED_HEADER.pack(bits, table.size, p_coder, body_length(p_body), e_coder, escapes.size,
                               body_length(e_body))

@@ -325,3 +325,112 @@ def test_keyframe_and_delta_in_one_go_are_the_two_separate_encodings(dtype: str,
     assert keyframe == encode_chunk(data, dtype, 1, "zstd+huffman")
     with_base = encode_chunk(data, dtype, 1, "zstd+huffman", base=base)
     assert (delta if delta is not None else keyframe) == with_base
+
+
+def _reference_packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, bytes, bytes, bytes]:
+    """Ranking element by element, packing, then masking the escapes: the definition."""
+    width, table, ranks, escaped = _planes._ranks(data, hist)
+    escapes = data[escaped] if escaped is not None else np.zeros(0, np.uint8)
+    return width, table.tobytes(), _planes.pack_ranks(ranks, width).tobytes(), escapes.tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 3 * _planes.PAIR_LOOKUP_MIN + 5), palette=st.integers(1, 40),
+       hidden=st.integers(0, 6), seed=st.integers(0, 2**32 - 1), offset=st.integers(0, 1))
+def test_packing_by_byte_pairs_gives_the_bytes_of_ranking_each_byte(n, palette, hidden, seed, offset):
+    """_packed (one lookup per byte pair, escapes found from the packed pairs) is the
+    element-by-element definition byte for byte: every width, odd lengths, unaligned
+    planes, escapes the sample sees and escapes it misses (values planted between the
+    sampled bytes), tables with and without a rank left for the escape."""
+    rng = np.random.default_rng(seed)
+    raw = (rng.zipf(1.5, n + offset) % palette * 3).astype(np.uint8)
+    data = raw[offset:]
+    if n > 2:
+        at = rng.integers(0, n, hidden)
+        data[at[at % max(1, n // _planes.SAMPLE) != 0]] = 250  # off the sample's stride
+    hist = np.bincount(_planes.sample(data), minlength=256)
+    if not hist.any():
+        return
+    width, table, packed, escapes = _planes._packed(data, hist)
+    assert (width, table.tobytes(), packed.tobytes(), escapes.tobytes()) == _reference_packed(data, hist)
+
+
+@pytest.mark.parametrize("n", [3 * _planes.SAMPLE + 3, 3 * _planes.SAMPLE + 2])
+def test_an_escape_in_the_last_element_of_an_odd_or_even_plane_is_kept(n):
+    rng = np.random.default_rng(14)
+    data = rng.integers(0, 3, n).astype(np.uint8)
+    assert (n - 1) % (n // _planes.SAMPLE)  # the sample (every third byte) misses the last
+    data[-1] = 99  # so it is not in the table: an escape
+    hist = np.bincount(_planes.sample(data), minlength=256)
+    width, table, packed, escapes = _planes._packed(data, hist)
+    assert escapes.tolist() == [99]
+    assert (width, table.tobytes(), packed.tobytes(), escapes.tobytes()) == _reference_packed(data, hist)
+
+
+def test_the_pair_path_runs_where_the_sample_gives_the_final_table():
+    """Large planes with 4 or 2 bit ranks and an escape rank to spare take the pair path
+    (checked by making the element path fail); full tables and one bit do not."""
+    rng = np.random.default_rng(11)
+    n = 4 * _planes.PAIR_LOOKUP_MIN
+    exponents = (120 + rng.zipf(1.3, n) % 30).astype(np.uint8)  # > 16 values: 15 ranks + escape
+    three = rng.integers(0, 3, n).astype(np.uint8)  # 2 bits, rank 3 left for the escape
+    for data in (exponents, three):
+        hist = np.bincount(_planes.sample(data), minlength=256)
+        original = _planes._ranks
+        try:
+            _planes._ranks = None  # type: ignore[assignment]  # the pair path must not need it
+            width, table, packed, escapes = _planes._packed(data, hist)
+        finally:
+            _planes._ranks = original
+        assert (width, table.tobytes(), packed.tobytes(), escapes.tobytes()) == _reference_packed(data, hist)
+
+
+def _coders_tried(monkeypatch, data: np.ndarray) -> list[str]:
+    tried: list[str] = []
+    for name in ("huffman", "pack"):
+        real = getattr(_planes, name)
+        monkeypatch.setattr(_planes, name, lambda *a, _real=real, _name=name: tried.append(_name) or _real(*a))
+    _planes.stream_body(data, 1, packable=True)
+    return tried
+
+
+def test_huffman_is_skipped_on_a_mid_sized_plane_where_zstd_comes_near_the_bound(monkeypatch):
+    """From TRY_ALL_BELOW bytes, zstd on the whole plane decides Huffman as a trial does:
+    a skewed plane of 40 values (not packable) that zstd codes near its entropy skips
+    Huffman; below TRY_ALL_BELOW, Huffman is still tried."""
+    rng = np.random.default_rng(12)
+    values = np.minimum(rng.geometric(0.12, 100_000), 60).astype(np.uint8)  # skewed, > 15 values
+    big, small = values, values[: _planes.TRY_ALL_BELOW - 1]
+    assert _coders_tried(monkeypatch, small) == ["huffman"]
+    assert _coders_tried(monkeypatch, big) == []
+    coder, body = _planes.stream_body(big, 1, packable=True)
+    assert coder == _planes.ZSTD and len(body) <= 1.02 * _planes.entropy_bytes(np.bincount(big, minlength=256)) + 64
+
+
+def test_zstd_is_skipped_on_a_large_plane_whose_head_packs_clearly_smaller(monkeypatch):
+    """An exponent-like plane (a few values, each repeated a while) whose zstd trial comes
+    within 2 % of the order-0 bound, so zstd would be tried, but whose head packs more than
+    3 % smaller: zstd is never run on the whole plane, and the packed body is stored (it
+    is 13 % below zstd's on the whole plane)."""
+    rng = np.random.default_rng(13)
+    n = 4 * _planes.SAMPLE
+    draws = (124 + np.clip(np.round(rng.standard_normal(n) * 1.5), -6, 3)).astype(np.uint8)
+    changes = np.where(rng.random(n) > 0.5, np.arange(n), 0)
+    plane = draws[np.maximum.accumulate(changes)]  # each value kept until the next change
+    trial = _planes._zstd_trial(plane, 1)
+    assert trial is not None and trial[0] <= (1 + _planes.HUFFMAN_GAIN) * trial[1] + _planes.ZSTD_SLACK
+    calls: list[int] = []
+    real = _planes.zstandard.ZstdCompressor
+
+    class Counting:
+        def __init__(self, **kw):
+            self._c = real(**kw)
+
+        def compress(self, data):
+            calls.append(len(memoryview(data).cast("B")))
+            return self._c.compress(data)
+
+    monkeypatch.setattr(_planes.zstandard, "ZstdCompressor", Counting)
+    coder, _ = _planes.stream_body(plane, 1, packable=True)
+    assert coder == _planes.PACKED
+    assert n not in calls and max(calls) < n  # trials and the packed stream only
