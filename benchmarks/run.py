@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Lossless store vs torch.save and safetensors", "lossless store",
          lambda: bench_store.markdown(kept("lossless store", bench_store.run(target_mb=20 if args.quick else 100)))),
         ("Lossless floats: the store vs ZipNN, zstd, torch.save, safetensors", "lossless floats",
-         lambda: bench_lossless.to_markdown(bench_lossless.run(quick=args.quick))),
+         lambda: bench_lossless.to_markdown(kept("lossless floats", bench_lossless.run(quick=args.quick)))),
         ("Quantization vs int8 + zstd and lossless zstd", "quantization",
          lambda: bench_quantization.to_markdown(kept("quantization", bench_quantization.run(quick=args.quick)))),
         ("Delta codec throughput", "delta codec",
