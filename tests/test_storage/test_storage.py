@@ -154,3 +154,33 @@ def test_each_url_gets_its_backend(tmp_path) -> None:
     local.write("a/b", b"0123456789")
     assert local.read_range("a/b", 2, 5) == b"234" and local.size("a/b") == 10
     assert local.list("") == {"a/b": 10} and local.temp_files() == {}
+
+
+def test_a_linked_object_folder_is_refused_and_a_linked_root_is_fine(tmp_path) -> None:
+    """Below the root each new folder is checked with one lstat: a link as the second level
+    (objects/<xx> -> outside) is refused like a link at the first; the root itself may be a
+    link (a store opened through one), and every write lands in its target."""
+    import os
+
+    import numpy as np
+
+    import inshrink_store as ins
+    from inshrink_store.storage import Storage
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    real = tmp_path / "real"
+    (real / "objects").mkdir(parents=True)
+    os.symlink(outside, real / "objects" / "ab")
+    storage = Storage(str(real))
+    with pytest.raises(ins.IntegrityError, match="symlink"):
+        storage.write("objects/ab/cdef", b"x")
+    assert list(outside.iterdir()) == []
+    storage.write("objects/cd/ef01", b"y")  # a fresh folder beside it is made and written
+    assert (real / "objects" / "cd" / "ef01").read_bytes() == b"y"
+
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    (tmp_path / "target").mkdir()
+    repo = ins.open(str(tmp_path / "link" / "store"), create=True)
+    repo.save({"w": np.arange(5, dtype=np.float32)})
+    assert ins.open(str(tmp_path / "target" / "store")).load()["w"].tolist() == [0, 1, 2, 3, 4]
