@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import numpy as np
-import zstandard
 
 from inshrink_store.codecs import _zstd
 from inshrink_store.errors import FormatError
@@ -111,7 +110,7 @@ def _zstd_trial(data: np.ndarray, level: int) -> tuple[int, float] | None:
     if data.size <= 2 * SAMPLE:
         return None
     head = data[:SAMPLE]
-    coded = len(zstandard.ZstdCompressor(level=level).compress(_buffer(head)))
+    coded = len(_zstd.compress(_buffer(head), level))
     return coded, entropy_bytes(np.bincount(head, minlength=256))
 
 
@@ -180,14 +179,14 @@ def stream_body(data: np.ndarray, level: int, packable: bool = False) -> tuple[i
     if trial is None and skewed and not packs and data.size >= TRY_ALL_BELOW:
         # a mid-sized skewed plane: zstd on all of it is its own trial, and decides Huffman
         # as the trial decides it on a large plane (the sample's entropy scaled to the plane)
-        whole = zstandard.ZstdCompressor(level=level).compress(_buffer(data))
+        whole = _zstd.compress(_buffer(data), level)
         candidates.append((ZSTD, lambda: whole))
         trial = (len(whole), entropy_bytes(hist) * data.size / seen.size)
     near_bound = trial is not None and skewed and trial[0] <= (1 + HUFFMAN_GAIN) * trial[1] + ZSTD_SLACK
     zstd_can_win = trial is None or trial[0] < trial[1] + ZSTD_SLACK or near_bound
     packing_wins = packs and trial is not None and zstd_can_win and _packing_wins(data, hist, level, trial[0])
     if not candidates and zstd_can_win and not packing_wins:
-        candidates.append((ZSTD, lambda: zstandard.ZstdCompressor(level=level).compress(_buffer(data))))
+        candidates.append((ZSTD, lambda: _zstd.compress(_buffer(data), level)))
     if skewed:
         if packs:
             candidates.append((PACKED, lambda: pack(data, hist, level)))

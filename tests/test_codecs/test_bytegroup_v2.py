@@ -420,17 +420,36 @@ def test_zstd_is_skipped_on_a_large_plane_whose_head_packs_clearly_smaller(monke
     trial = _planes._zstd_trial(plane, 1)
     assert trial is not None and trial[0] <= (1 + _planes.HUFFMAN_GAIN) * trial[1] + _planes.ZSTD_SLACK
     calls: list[int] = []
-    real = _planes.zstandard.ZstdCompressor
+    real = _planes._zstd.compress
 
-    class Counting:
-        def __init__(self, **kw):
-            self._c = real(**kw)
+    def counting(data, level):
+        calls.append(len(memoryview(data).cast("B")))
+        return real(data, level)
 
-        def compress(self, data):
-            calls.append(len(memoryview(data).cast("B")))
-            return self._c.compress(data)
-
-    monkeypatch.setattr(_planes.zstandard, "ZstdCompressor", Counting)
+    monkeypatch.setattr(_planes._zstd, "compress", counting)
     coder, _ = _planes.stream_body(plane, 1, packable=True)
     assert coder == _planes.PACKED
     assert n not in calls and max(calls) < n  # trials and the packed stream only
+
+
+def test_the_thread_local_compressor_writes_the_bytes_of_a_fresh_one_on_every_thread():
+    """zstd frames from the per-thread compressors (reused across calls and levels) are
+    those of a new compressor each time, on any thread."""
+    import threading
+
+    import zstandard
+
+    rng = np.random.default_rng(15)
+    inputs = [rng.integers(0, k, n).astype(np.uint8).tobytes() for k in (2, 30, 256) for n in (0, 100, 70_000)]
+    expected = [zstandard.ZstdCompressor(level=lv).compress(d) for lv in (1, 3) for d in inputs]
+    got: dict[int, list[bytes]] = {}
+
+    def run(i: int) -> None:
+        got[i] = [_planes._zstd.compress(d, lv) for lv in (1, 3) for d in inputs]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[i] == expected for i in range(3))
