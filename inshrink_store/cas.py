@@ -224,7 +224,7 @@ class ObjectStore:
             # caller's tensor may change; the next version's delta reads them back
             view = memoryview(payload).cast("B")
             oid = content_id(view)
-            if oid == base or self.storage.exists(object_path(oid)):
+            if oid == base or self.storage.exists_durably(object_path(oid)):
                 return PutResult(oid, 0, -1)
             stored = self._encode_floats(view, base, element)
             if content_id(view) != oid:  # read where they lie: they must not move meanwhile
@@ -241,7 +241,7 @@ class ObjectStore:
         # deleted an object since, and skipping the write would commit a dangling id. An
         # unchanged chunk (same id as the parent's at this key) lives in the parent, which
         # every gc keeps as a branch head, so it needs no round trip.
-        if oid == base or self.storage.exists(object_path(oid)):
+        if oid == base or self.storage.exists_durably(object_path(oid)):
             return PutResult(oid, 0, -1)
         stored = self._encode(payload, base)
         self.storage.write(object_path(oid), stored)

@@ -145,7 +145,7 @@ class ResidualWriter:
             return None
         data = self.document()
         rid = content_id(data)
-        if not storage.exists(residual_path(rid)):
+        if not storage.exists_durably(residual_path(rid)):
             storage.write(residual_path(rid), data)
         self.stored_bytes += len(data)
         return ResidualRef(rid, keep_newest, self.stored_bytes, len(self.arrays))

@@ -251,7 +251,7 @@ class WriteSession:
         stored = set(view.parent.root.nodes.values()) if view.parent is not None else set()
 
         def write_tree(item: tuple[str, NodeTree]) -> None:
-            if not storage.exists(tree_path(item[0])):
+            if not storage.exists_durably(tree_path(item[0])):
                 storage.write(tree_path(item[0]), item[1].to_bytes())
 
         map_in_order(write_tree, [(tid, tree) for tid, tree in trees.items() if tid not in stored],

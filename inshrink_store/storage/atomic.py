@@ -14,7 +14,7 @@ import uuid
 from inshrink_store.layout import TEMP_MARKER
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Make a new directory entry durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -62,4 +62,4 @@ def atomic_write(full: str, data: bytes, *, exclusive: bool) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    _fsync_directory(directory)
+    fsync_directory(directory)

@@ -116,6 +116,13 @@ class Storage:
     def exists(self, path: str) -> bool:
         return bool(self._call("check", path, lambda: self.fs.exists(self._full(path))))
 
+    def exists_durably(self, path: str) -> bool:
+        """Whether ``path`` exists, and if so that it stays after a crash: what a writer asks
+        before it *relies* on an object another writer may have stored (dedup), because its
+        commit will name it. On an object store an object that is listed is durable, so
+        this is :meth:`exists`; a local disk makes the folder entry durable first."""
+        return self.exists(path)
+
     def write(self, path: str, data: bytes) -> None:
         """Write or overwrite (atomically: a reader sees the old or the new file)."""
         raise NotImplementedError

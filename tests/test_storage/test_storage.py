@@ -184,3 +184,35 @@ def test_a_linked_object_folder_is_refused_and_a_linked_root_is_fine(tmp_path) -
     repo = ins.open(str(tmp_path / "link" / "store"), create=True)
     repo.save({"w": np.arange(5, dtype=np.float32)})
     assert ins.open(str(tmp_path / "target" / "store")).load()["w"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_relying_on_an_existing_local_file_makes_its_folder_entry_durable(tmp_path, monkeypatch) -> None:
+    """exists_durably: a present file's folder is fsynced (another writer may have renamed
+    it into place a moment ago and not fsynced the folder yet); a missing one costs nothing.
+    Every dedup by lookup goes through it: an object put twice, a tree, a residual."""
+    import numpy as np
+
+    import inshrink_store as ins
+    from inshrink_store.cas import ObjectStore
+    from inshrink_store.storage import Storage, local
+
+    synced: list[str] = []
+    real = local.fsync_directory
+    monkeypatch.setattr(local, "fsync_directory", lambda d: (synced.append(d), real(d)))
+    storage = Storage(str(tmp_path / "s"))
+    storage.write("objects/ab/cd", b"x")
+    assert storage.exists_durably("objects/ab/cd") is True
+    assert synced == [str(tmp_path / "s" / "objects" / "ab")]
+    assert storage.exists_durably("objects/ab/ef") is False and len(synced) == 1
+
+    objects = ObjectStore(storage)
+    first = objects.put(b"payload " * 100)
+    synced.clear()
+    again = objects.put(b"payload " * 100)  # found, not written: relied on
+    assert again.oid == first.oid and again.stored_bytes == 0 and len(synced) == 1
+
+    repo = ins.open(str(tmp_path / "r"), create=True)
+    repo.save({"w": np.ones(4, np.float32)})
+    synced.clear()
+    ins.open(str(tmp_path / "r")).save({"w": np.ones(4, np.float32)}, branch="other")  # every object exists
+    assert synced, "a save relying on objects it did not write made none of their folders durable"
