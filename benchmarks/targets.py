@@ -7,7 +7,11 @@ the time or memory goes.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+#: a row measured on one thread ("(1 thread, ...)", ", 1 thread)"), not "11 threads"
+ONE_THREAD = re.compile(r"[ (]1 thread[,)]")
 
 
 def _store_vs_torch(store: dict[str, Any]) -> tuple[float, float]:
@@ -31,8 +35,10 @@ def _against_zipnn(floats: dict[str, Any]) -> list[str]:
     one per dtype: the ratio, the store's save and its codec beside ZipNN on as many threads."""
     lines = []
     for res in floats["results"]:
-        rows = {name.split(" (")[0] + (" 1" if "1 thread" in name else ""): (t, size)
+        rows = {name.split(" (")[0] + (" 1" if ONE_THREAD.search(name) else ""): (t, size)
                 for name, t, _load, size in res["rows"]}
+        for key in [k for k in rows if k.endswith(" 1")]:  # on one core "all cores" is one thread
+            rows.setdefault(key[:-2], rows[key])
         if "ZipNN" not in rows:
             lines.append(f"| lossless {res['dtype']}: ratio and save time against ZipNN | ZipNN not installed | – | lossless floats |")
             continue

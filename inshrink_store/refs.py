@@ -150,7 +150,7 @@ class Refs:
         (checked under the lease, so gc cannot race it), then the fence."""
         lease = leases.acquire_writer(self._storage, wait=gc_wait)
         try:
-            if not self._storage.exists(snapshot_path(snapshot_id)):
+            if not self._storage.exists_durably(snapshot_path(snapshot_id)):
                 raise NotFoundError(
                     f"Expected {ref!r} to name a snapshot in {self._storage.url!r}. Got "
                     f"{snapshot_id}, which does not exist instead (removed by gc?); nothing was written."

@@ -276,8 +276,9 @@ class _ChunkPipeline:
 
     def __init__(self, view: PendingChunks, encoders: int) -> None:
         self._view, self._encoders_wanted = view, max(1, encoders)
-        # a local disk or memory: a put is mostly the object store coding raw floats (a core's
-        # work), so one per core; an object store: a put mostly waits on its request
+        # in memory a put is mostly the object store coding raw floats (a core's work), so one
+        # per encoder; a local disk adds spares for the fsyncs; an object store's put mostly
+        # waits on its request
         storage = view.objects.storage
         if storage.protocol == "memory":
             self._puts_wanted = self._encoders_wanted

@@ -355,7 +355,12 @@ def _packed_by_pairs(data: np.ndarray, bits: int, table: np.ndarray) -> tuple[np
 
 def _packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """(bits, table, packed ranks, escapes): :func:`_ranks` and :func:`pack_ranks`, through
-    :func:`_packed_by_pairs` wherever the table the sample gives is final (same bytes)."""
+    :func:`_packed_by_pairs` wherever the table the sample gives is final (same bytes).
+
+    The same bytes when ``hist`` is a sample of ``data`` (as for every stored plane): a
+    sample with more than 16 values then proves that values outside the top 16 occur. For
+    the head of a plane judged with the whole plane's histogram (:func:`_packing_wins`)
+    the two may pick different tables; that only moves the estimate, never stored bytes."""
     distinct = int(np.count_nonzero(hist))
     bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
     table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)

@@ -23,13 +23,21 @@ STEP = 1 << 20
 _local = threading.local()
 
 
+#: levels whose compressor a thread keeps (their working memory is a few MiB; level 19 keeps
+#: ~50 MiB, and a thread never gives it back)
+CACHED_LEVELS = range(-7, 4)
+
+
 def compress(data: Any, level: int) -> bytes:
     """One zstd frame of ``data`` at ``level``, by this thread's compressor for that level.
 
     Why: a plane's coder choice runs zstd several times (trials, the packed stream, the
     escapes), and making a compressor costs 8 us, most of a small chunk's zstd time. A
     compressor codes each call as a fresh frame (the same bytes as a new one); it is not
-    thread-safe, hence one per thread."""
+    thread-safe, hence one per thread. Slow levels get a fresh one each time (see
+    :data:`CACHED_LEVELS`)."""
+    if level not in CACHED_LEVELS:
+        return zstandard.ZstdCompressor(level=level).compress(data)
     compressors: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "compressors", None)
     if compressors is None:
         compressors = _local.compressors = {}

@@ -63,8 +63,11 @@ class LocalStorage(Storage):
         root = (self.root or ".").rstrip(os.sep) or os.sep
         if not folder.startswith(root + os.sep):
             return folder != root
+        parts = folder[len(root) + 1:].split(os.sep)
+        if any(part in ("", os.curdir, os.pardir) for part in parts):
+            return True  # not a plain path below the root (".." could climb out of it)
         at = root
-        for part in folder[len(root) + 1:].split(os.sep):
+        for part in parts:
             at = os.path.join(at, part)
             if at in self._checked_folders:
                 continue
@@ -72,7 +75,7 @@ class LocalStorage(Storage):
                 mode = os.lstat(at).st_mode
             except FileNotFoundError:
                 return False  # nothing below a missing folder exists yet, links included
-            if stat.S_ISLNK(mode) or part in ("", os.curdir, os.pardir):
+            if stat.S_ISLNK(mode):
                 return True
         return False
 
@@ -89,21 +92,24 @@ class LocalStorage(Storage):
         return super().read_range(path, start, end)
 
     def exists_durably(self, path: str) -> bool:
-        """:meth:`exists`, then a fsync of the file's folder when it is there.
+        """:meth:`exists`, then a fsync of the file's folder and of its parent when it is there.
 
-        Why: a writer renames a fsynced temp file into place and only then fsyncs the folder,
-        so for a moment an object is visible but its name not yet durable. Another writer
-        that dedups against it in that moment and commits could, after a power loss on a
-        filesystem that logs each file on its own (btrfs), name an object that is gone. The
-        fsync closes that window; on a folder with nothing pending it costs ~50 us, and
-        dedup by lookup is rare (a chunk equal to the parent's is taken without one)."""
+        Why: a writer renames a fsynced temp file into place and only then fsyncs the folder
+        (and the parent of a folder it made), so for a moment an object is visible but its
+        name not yet durable. Another writer that dedups against it in that moment and
+        commits could, after a power loss on a filesystem that logs each file on its own
+        (btrfs), name an object that is gone. These fsyncs close that window; on folders with
+        nothing pending they cost ~100 us, and a lookup that finds the file is rare (a chunk
+        equal to the parent's is taken without one)."""
         full = self._full(path)
 
         def check() -> bool:
             if not os.path.exists(full):
                 return False
             self._inside(full)
-            fsync_directory(os.path.dirname(full))
+            folder = os.path.dirname(full)
+            fsync_directory(folder)
+            fsync_directory(os.path.dirname(folder))  # the folder itself may be new (objects/<xx>)
             return True
 
         return self._call("check", path, check)

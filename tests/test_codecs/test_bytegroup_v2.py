@@ -335,7 +335,9 @@ def _reference_packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, bytes, b
 
 
 @settings(max_examples=80, deadline=None)
-@given(n=st.integers(0, 3 * _planes.PAIR_LOOKUP_MIN + 5), palette=st.integers(1, 40),
+@given(n=st.one_of(st.integers(0, 3 * _planes.PAIR_LOOKUP_MIN + 5),  # around the pair threshold
+                   st.integers(2 * _planes.SAMPLE, 3 * _planes.SAMPLE + 5)),  # a strided sample
+       palette=st.integers(1, 40),
        hidden=st.integers(0, 6), seed=st.integers(0, 2**32 - 1), offset=st.integers(0, 1))
 def test_packing_by_byte_pairs_gives_the_bytes_of_ranking_each_byte(n, palette, hidden, seed, offset):
     """_packed (one lookup per byte pair, escapes found from the packed pairs) is the
@@ -345,9 +347,10 @@ def test_packing_by_byte_pairs_gives_the_bytes_of_ranking_each_byte(n, palette, 
     rng = np.random.default_rng(seed)
     raw = (rng.zipf(1.5, n + offset) % palette * 3).astype(np.uint8)
     data = raw[offset:]
-    if n > 2:
+    stride = max(1, n // _planes.SAMPLE)
+    if stride > 1:
         at = rng.integers(0, n, hidden)
-        data[at[at % max(1, n // _planes.SAMPLE) != 0]] = 250  # off the sample's stride
+        data[at[at % stride != 0]] = 250  # off the sample's stride: escapes it cannot see
     hist = np.bincount(_planes.sample(data), minlength=256)
     if not hist.any():
         return

@@ -202,17 +202,49 @@ def test_relying_on_an_existing_local_file_makes_its_folder_entry_durable(tmp_pa
     storage = Storage(str(tmp_path / "s"))
     storage.write("objects/ab/cd", b"x")
     assert storage.exists_durably("objects/ab/cd") is True
-    assert synced == [str(tmp_path / "s" / "objects" / "ab")]
-    assert storage.exists_durably("objects/ab/ef") is False and len(synced) == 1
+    assert synced == [str(tmp_path / "s" / "objects" / "ab"), str(tmp_path / "s" / "objects")]
+    assert storage.exists_durably("objects/ab/ef") is False and len(synced) == 2
 
     objects = ObjectStore(storage)
     first = objects.put(b"payload " * 100)
     synced.clear()
     again = objects.put(b"payload " * 100)  # found, not written: relied on
-    assert again.oid == first.oid and again.stored_bytes == 0 and len(synced) == 1
+    assert again.oid == first.oid and again.stored_bytes == 0 and len(synced) == 2
 
     repo = ins.open(str(tmp_path / "r"), create=True)
     repo.save({"w": np.ones(4, np.float32)})
     synced.clear()
     ins.open(str(tmp_path / "r")).save({"w": np.ones(4, np.float32)}, branch="other")  # every object exists
     assert synced, "a save relying on objects it did not write made none of their folders durable"
+
+
+def test_a_write_that_makes_folders_fsyncs_each_new_folders_parent(tmp_path, monkeypatch) -> None:
+    """The file's folder is fsynced, and so is the parent of every folder the write made
+    (their names are entries too); a write into an existing folder fsyncs that folder only."""
+    from inshrink_store.storage import atomic
+
+    synced: list[str] = []
+    real = atomic.fsync_directory
+    monkeypatch.setattr(atomic, "fsync_directory", lambda d: (synced.append(d), real(d)))
+    root = tmp_path / "s"
+    root.mkdir()
+    atomic.atomic_write(str(root / "refs" / "branches" / "main" / "000"), b"x", exclusive=True)
+    assert synced == [str(root / "refs" / "branches" / "main"), str(root / "refs" / "branches"),
+                      str(root / "refs"), str(root)]
+    synced.clear()
+    atomic.atomic_write(str(root / "refs" / "branches" / "main" / "001"), b"y", exclusive=True)
+    assert synced == [str(root / "refs" / "branches" / "main")]
+
+
+def test_a_path_climbing_out_through_a_missing_folder_is_refused(tmp_path) -> None:
+    """".." below a folder that does not exist yet cannot climb out of the store: the
+    containment check sees the component before it looks at the disk."""
+    import inshrink_store as ins
+    from inshrink_store.storage import Storage
+
+    store = tmp_path / "store"
+    store.mkdir()
+    storage = Storage(str(store))
+    with pytest.raises(ins.IntegrityError):
+        storage.write("objects/zz/../../../outside/pwn", b"x")
+    assert not (tmp_path / "outside").exists()
