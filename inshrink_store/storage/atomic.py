@@ -3,10 +3,11 @@
 ``replace`` (``os.replace``) gives an atomic overwrite; ``exclusive`` (``os.link``)
 gives an atomic create that fails if the name exists. Either way a crash leaves at
 most a temp file (``*.tmp-<uuid>``, never listed, collected by gc), never a half file;
-and once the call returns, the file, its name and the names of any folders it had to
-make are durable (each folder touched is fsynced). The one exception is a filesystem
-without hard links, where an exclusive create falls back to ``O_EXCL``: there a crash
-can leave an empty or partial file under the name (see the fallback below).
+and once the call returns, the file and its name in its folder are durable. The folder's
+own name in its parent is the caller's (``LocalStorage`` makes it durable before its next
+commit point). The one exception is a filesystem without hard links, where an exclusive
+create falls back to ``O_EXCL``: there a crash can leave an empty or partial file under
+the name (see the fallback below).
 """
 
 from __future__ import annotations
@@ -32,30 +33,14 @@ def fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def _missing_folders(directory: str) -> list[str]:
-    """The folders from ``directory`` up that do not exist, deepest first: their entries in
-    their parents must be made durable too (whoever creates them, since a writer may rely
-    on a file in a folder another writer just made)."""
-    missing = []
-    while directory and not os.path.isdir(directory):
-        missing.append(directory)
-        parent = os.path.dirname(directory)
-        if parent == directory:
-            break
-        directory = parent
-    return missing
-
-
 def atomic_write(full: str, data: bytes, *, exclusive: bool) -> None:
     """Write ``data`` to ``full`` atomically; with ``exclusive``, ``FileExistsError`` if
     ``full`` exists (decided by the filesystem, so two racing writers cannot both win)."""
     directory = os.path.dirname(full)
     tmp = f"{full}{TEMP_MARKER}{uuid.uuid4().hex}"
-    missing: list[str] = []
     try:  # the folder nearly always exists: try first, create it only when missing
         f = open(tmp, "wb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
-        missing = _missing_folders(directory)
         os.makedirs(directory, exist_ok=True)
         f = open(tmp, "wb")  # noqa: SIM115
     with f:
@@ -83,5 +68,3 @@ def atomic_write(full: str, data: bytes, *, exclusive: bool) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     fsync_directory(directory)
-    for folder in missing:  # deepest first: each new folder's own entry in its parent
-        fsync_directory(os.path.dirname(folder))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from typing import Any
 
 from inshrink_store.errors import IntegrityError
@@ -22,6 +23,11 @@ class LocalStorage(Storage):
         super().__init__(url, storage_options)
         self._checked_folders: set[str] = set()
         self._real_root: str | None = None
+        #: folders whose own name in their parent this handle knows to be durable, and the
+        #: parents to fsync (at the next commit point) for the others it wrote into
+        self._durable_folders: set[str] = set()
+        self._pending_parents: set[str] = set()
+        self._durability_lock = threading.Lock()
 
     def _inside(self, full: str) -> None:
         """Refuse a folder that a symlink leads out of the store's root.
@@ -92,33 +98,72 @@ class LocalStorage(Storage):
         return super().read_range(path, start, end)
 
     def exists_durably(self, path: str) -> bool:
-        """:meth:`exists`, then a fsync of the file's folder and of its parent when it is there.
+        """:meth:`exists`, then a fsync of the file's folder when it is there (the folder's
+        own name is made durable at the next commit point, see :meth:`sync_folders`).
 
-        Why: a writer renames a fsynced temp file into place and only then fsyncs the folder
-        (and the parent of a folder it made), so for a moment an object is visible but its
-        name not yet durable. Another writer that dedups against it in that moment and
-        commits could, after a power loss on a filesystem that logs each file on its own
-        (btrfs), name an object that is gone. These fsyncs close that window; on folders with
-        nothing pending they cost ~100 us, and a lookup that finds the file is rare (a chunk
-        equal to the parent's is taken without one)."""
+        Why: a writer renames a fsynced temp file into place and only then fsyncs the folder,
+        so for a moment an object is visible but its name not yet durable. Another writer
+        that dedups against it in that moment and commits could, after a power loss on a
+        filesystem that logs each file on its own (btrfs), name an object that is gone. The
+        fsync closes that window; on a folder with nothing pending it costs ~50 us, and a
+        lookup that finds the file is rare (a chunk equal to the parent's is taken without
+        one)."""
         full = self._full(path)
 
         def check() -> bool:
             if not os.path.exists(full):
                 return False
             self._inside(full)
-            folder = os.path.dirname(full)
-            fsync_directory(folder)
-            fsync_directory(os.path.dirname(folder))  # the folder itself may be new (objects/<xx>)
+            fsync_directory(os.path.dirname(full))
+            self._note_folder(full)  # the folder itself may be new: its parent at the commit point
             return True
 
         return self._call("check", path, check)
+
+    def _note_folder(self, full: str) -> None:
+        """Remember that the folders from ``full``'s up to the store's root (and the root's
+        own name) must be durable before the next commit point, unless known to be."""
+        folder = os.path.dirname(full)
+        if folder in self._durable_folders:
+            return
+        with self._durability_lock:
+            while folder and folder not in self._durable_folders:
+                parent = os.path.dirname(folder)
+                if parent == folder:
+                    break
+                self._pending_parents.add(parent)
+                self._durable_folders.add(folder)  # once its parent is fsynced (sync_folders)
+                if folder == self.root.rstrip(os.sep):
+                    break
+                folder = parent
+
+    def sync_folders(self) -> None:
+        """fsync the parents of every folder this handle wrote into whose name in its parent
+        is not known durable yet: ``objects/`` once for all the new ``objects/<xx>/``.
+
+        Why here: a file's name is durable when its write returns (its folder is fsynced),
+        but a folder made a moment ago, by this writer or another, has its own name in its
+        parent, which only a fsync of that parent makes durable. Doing it per write cost one
+        more fsync per new folder (a fresh store's first save makes ~80); every commit point
+        (a fence, a ref, the store's settings: the exclusive creates) runs this first, so
+        whatever a published ref names is durable, with a handful of fsyncs per commit."""
+        with self._durability_lock:
+            parents = sorted(self._pending_parents, key=len, reverse=True)  # deepest first
+            self._pending_parents.clear()
+        for parent in parents:
+            with self._wrapped("write", parent):
+                fsync_directory(parent)
 
     def _write(self, path: str, data: bytes, exclusive: bool) -> None:
         full = self._full(path)
         with self._wrapped("write", path):
             self._inside(full)  # before anything is created: a missing folder is made by the write
+            if exclusive:
+                self.sync_folders()  # an exclusive create is a commit point: see sync_folders
             atomic_write(full, data, exclusive=exclusive)
+            self._note_folder(full)
+            if exclusive:
+                self.sync_folders()  # and the new file's own folder (a new branch's refs folder)
 
     def write(self, path: str, data: bytes) -> None:
         self._write(path, data, exclusive=False)

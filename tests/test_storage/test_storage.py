@@ -201,15 +201,16 @@ def test_relying_on_an_existing_local_file_makes_its_folder_entry_durable(tmp_pa
     monkeypatch.setattr(local, "fsync_directory", lambda d: (synced.append(d), real(d)))
     storage = Storage(str(tmp_path / "s"))
     storage.write("objects/ab/cd", b"x")
-    assert storage.exists_durably("objects/ab/cd") is True
-    assert synced == [str(tmp_path / "s" / "objects" / "ab"), str(tmp_path / "s" / "objects")]
-    assert storage.exists_durably("objects/ab/ef") is False and len(synced) == 2
+    synced.clear()
+    assert Storage(str(tmp_path / "s")).exists_durably("objects/ab/cd") is True  # another handle
+    assert synced == [str(tmp_path / "s" / "objects" / "ab")]
+    assert storage.exists_durably("objects/ab/ef") is False and len(synced) == 1
 
     objects = ObjectStore(storage)
     first = objects.put(b"payload " * 100)
     synced.clear()
     again = objects.put(b"payload " * 100)  # found, not written: relied on
-    assert again.oid == first.oid and again.stored_bytes == 0 and len(synced) == 2
+    assert again.oid == first.oid and again.stored_bytes == 0 and len(synced) == 1
 
     repo = ins.open(str(tmp_path / "r"), create=True)
     repo.save({"w": np.ones(4, np.float32)})
@@ -218,22 +219,37 @@ def test_relying_on_an_existing_local_file_makes_its_folder_entry_durable(tmp_pa
     assert synced, "a save relying on objects it did not write made none of their folders durable"
 
 
-def test_a_write_that_makes_folders_fsyncs_each_new_folders_parent(tmp_path, monkeypatch) -> None:
-    """The file's folder is fsynced, and so is the parent of every folder the write made
-    (their names are entries too); a write into an existing folder fsyncs that folder only."""
-    from inshrink_store.storage import atomic
+def test_new_folders_names_are_made_durable_at_the_next_commit_point_once_per_parent(tmp_path, monkeypatch) -> None:
+    """A write fsyncs its file's folder; the names of folders it wrote into (objects/<xx>,
+    perhaps made a moment ago by any writer) wait for the next exclusive create (a fence, a
+    ref), which first fsyncs each pending parent once, deepest first: objects/ once for
+    twenty new shard folders. Then the new file's own folder chain (a new branch's refs
+    folder) is made durable too; a second commit point with nothing new fsyncs no parent."""
+    from inshrink_store.storage import Storage, atomic, local
 
     synced: list[str] = []
     real = atomic.fsync_directory
-    monkeypatch.setattr(atomic, "fsync_directory", lambda d: (synced.append(d), real(d)))
+
+    def record(d: str) -> None:
+        synced.append(d)
+        real(d)
+
+    monkeypatch.setattr(atomic, "fsync_directory", record)
+    monkeypatch.setattr(local, "fsync_directory", record)
     root = tmp_path / "s"
-    root.mkdir()
-    atomic.atomic_write(str(root / "refs" / "branches" / "main" / "000"), b"x", exclusive=True)
-    assert synced == [str(root / "refs" / "branches" / "main"), str(root / "refs" / "branches"),
-                      str(root / "refs"), str(root)]
+    storage = Storage(str(root))
+    for i in range(20):
+        storage.write(f"objects/{i:02x}/{i:030x}", b"x")
+    assert synced == [str(root / "objects" / f"{i:02x}") for i in range(20)]  # each file's folder only
     synced.clear()
-    atomic.atomic_write(str(root / "refs" / "branches" / "main" / "001"), b"y", exclusive=True)
-    assert synced == [str(root / "refs" / "branches" / "main")]
+    storage.create_exclusive("refs/branches/main/000000000000", b"y" * 32)
+    ref_folder = root / "refs" / "branches" / "main"
+    assert synced == [str(root / "objects"), str(root), str(tmp_path),  # pending parents, deepest first
+                      str(ref_folder),  # the ref's own name
+                      str(root / "refs" / "branches"), str(root / "refs"), str(root)]  # its new folders' names
+    synced.clear()
+    storage.create_exclusive("refs/branches/main/000000000001", b"z" * 32)
+    assert synced == [str(ref_folder)]
 
 
 def test_a_path_climbing_out_through_a_missing_folder_is_refused(tmp_path) -> None:
