@@ -28,6 +28,21 @@ class LocalStorage(Storage):
         self._durable_folders: set[str] = set()
         self._pending_parents: set[str] = set()
         self._durability_lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # one sync_folders at a time (see there)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for process pools without its locks; the copy starts knowing no folder
+        durable or checked (it fsyncs and checks again: safe, at most a few more calls)."""
+        state = dict(self.__dict__)
+        for name in ("_durability_lock", "_sync_lock"):
+            del state[name]
+        state.update(_checked_folders=set(), _durable_folders=set(), _pending_parents=set())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._durability_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
 
     def _inside(self, full: str) -> None:
         """Refuse a folder that a symlink leads out of the store's root.
@@ -147,12 +162,15 @@ class LocalStorage(Storage):
         more fsync per new folder (a fresh store's first save makes ~80); every commit point
         (a fence, a ref, the store's settings: the exclusive creates) runs this first, so
         whatever a published ref names is durable, with a handful of fsyncs per commit."""
-        with self._durability_lock:
-            parents = sorted(self._pending_parents, key=len, reverse=True)  # deepest first
-            self._pending_parents.clear()
-        for parent in parents:
-            with self._wrapped("write", parent):
-                fsync_directory(parent)
+        # serialized: a second commit point in another thread must not return while the
+        # parents it would have fsynced are still being fsynced by the first
+        with self._sync_lock:
+            with self._durability_lock:
+                parents = sorted(self._pending_parents, key=len, reverse=True)  # deepest first
+                self._pending_parents.clear()
+            for parent in parents:
+                with self._wrapped("write", parent):
+                    fsync_directory(parent)
 
     def _write(self, path: str, data: bytes, exclusive: bool) -> None:
         full = self._full(path)

@@ -264,3 +264,21 @@ def test_a_path_climbing_out_through_a_missing_folder_is_refused(tmp_path) -> No
     with pytest.raises(ins.IntegrityError):
         storage.write("objects/zz/../../../outside/pwn", b"x")
     assert not (tmp_path / "outside").exists()
+
+
+def test_a_local_storage_pickles_for_process_pools_and_the_copy_writes_durably(tmp_path) -> None:
+    """Process pools pickle storage handles: the copy has its own locks, knows no folder
+    durable yet (so it fsyncs again), and writes and commits like the original."""
+    import pickle
+
+    from inshrink_store.storage import Storage
+
+    original = Storage(str(tmp_path / "s"))
+    original.write("objects/ab/cd", b"x")
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy.url == original.url and copy.read("objects/ab/cd") == b"x"
+    assert copy._durable_folders == set() and copy._pending_parents == set()
+    copy.write("objects/ef/01", b"y")
+    copy.create_exclusive("refs/branches/main/000000000000", b"z" * 32)
+    assert (tmp_path / "s" / "objects" / "ef" / "01").read_bytes() == b"y"
+    assert copy._pending_parents == set()
