@@ -424,10 +424,9 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
                                                        LOSSLESS_LEVEL, "zstd+huffman")
     if not is_quantized_payload(payload):
         return CODER_NONE, bytes(payload)
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    body = compressor.compress(payload)
+    body = _zstd.compress(payload, ZSTD_LEVEL)
     if _nibbles.packable(payload):
-        packed = compressor.compress(_nibbles.pack(payload))
+        packed = _zstd.compress(_nibbles.pack(payload), ZSTD_LEVEL)
         if len(packed) < len(body):
             return CODER_PACKED_ZSTD, packed
     return CODER_ZSTD, body

@@ -264,17 +264,29 @@ def unpack_ranks(packed: np.ndarray, bits: int, size: int) -> np.ndarray:
     return words.view(np.uint8)[:size]
 
 
+def _sample_table(hist: np.ndarray) -> tuple[int, np.ndarray, int]:
+    """(bits, table, distinct values) the sample histogram ``hist`` gives: its commonest
+    values, commonest first (ties by value), as many as the fewest bits that hold them allow."""
+    distinct = int(np.count_nonzero(hist))
+    bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
+    table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)
+    return bits, table, distinct
+
+
+def _rank_of(table: np.ndarray) -> np.ndarray:
+    """256 bytes: each table value's rank, every other value the escape's (``table.size``)."""
+    rank_of = np.full(256, table.size, np.uint8)
+    rank_of[table] = np.arange(table.size, dtype=np.uint8)
+    return rank_of
+
+
 def _ranks(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
     """(bits, table, ranks, escaped mask or None): the commonest values of ``hist`` (a
     sample's) get ranks in table order (commonest first, ties by value); values outside the
     table take rank len(table), the escape. Bits are the fewest that hold the ranks (and the
     escape when there are escapes)."""
-    distinct = int(np.count_nonzero(hist))
-    bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
-    table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)
-    rank_of = np.full(256, table.size, np.uint8)
-    rank_of[table] = np.arange(table.size, dtype=np.uint8)
-    ranks = lookup(rank_of, data)
+    bits, table, _ = _sample_table(hist)
+    ranks = lookup(_rank_of(table), data)
     while True:
         # no rank exceeds the escape's (table.size), so the largest says whether any value
         # escaped: a reduction, where the mask is a fresh array the size of the plane
@@ -325,8 +337,7 @@ def _packed_by_pairs(data: np.ndarray, bits: int, table: np.ndarray) -> tuple[np
     escapes (rare: values outside the table) are found from the packed pairs, and only the
     pairs holding one are read again."""
     k = table.size
-    rank_of = np.full(256, k, np.uint8)
-    rank_of[table] = np.arange(k, dtype=np.uint8)
+    rank_of = _rank_of(table)
     n = data.size
     even = n & ~1
     pairs = np.empty(-(-n // 2), np.uint8)
@@ -361,9 +372,7 @@ def _packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.nda
     sample with more than 16 values then proves that values outside the top 16 occur. For
     the head of a plane judged with the whole plane's histogram (:func:`_packing_wins`)
     the two may pick different tables; that only moves the estimate, never stored bytes."""
-    distinct = int(np.count_nonzero(hist))
-    bits = next(b for b in RANK_BITS if distinct <= 1 << b or b == RANK_BITS[-1])
-    table = np.argsort(-hist, kind="stable")[: min(distinct, 1 << bits)].astype(np.uint8)
+    bits, table, distinct = _sample_table(hist)
     if distinct > table.size:
         # more values in the sample than 16 ranks: values outside the table are certain, so
         # (as _ranks decides after a pass) the rarest of the 16 leaves the table for the escape

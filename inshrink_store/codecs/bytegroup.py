@@ -39,7 +39,6 @@ from typing import Any, cast
 
 import numpy as np
 import xxhash
-import zstandard
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
@@ -48,7 +47,7 @@ from zarr.core.buffer import Buffer
 from zarr.registry import register_codec as register_zarr_codec
 
 from inshrink_store import dtypes
-from inshrink_store.codecs import _planes
+from inshrink_store.codecs import _planes, _zstd
 from inshrink_store.codecs._config import check_config, named_configuration
 from inshrink_store.errors import FormatError, IntegrityError
 
@@ -216,7 +215,6 @@ def _encode_both(data: np.ndarray, dtype: str, level: int, coder: str,
     base_planes: list[np.ndarray] | None = None
     if base is not None:
         base_planes = split_planes(sign_last(base, itemsize) if flags else base, itemsize)
-    compressor = zstandard.ZstdCompressor(level=level)
     plain: list[tuple[int, _planes.Body]] = []  # a raw plane is joined as it is: no copy of its own
     mixed: list[tuple[int, _planes.Body]] = []
     for i, plane in enumerate(planes):
@@ -226,12 +224,12 @@ def _encode_both(data: np.ndarray, dtype: str, level: int, coder: str,
         else:
             method, body = RAW, plane
             if n:
-                zstd_body = compressor.compress(_buffer(plane))
+                zstd_body = _zstd.compress(_buffer(plane), level)
                 if len(zstd_body) < plane.nbytes:
                     method, body = ZSTD, zstd_body
         plain.append((method, body))
         if base_planes is not None and n:
-            xored = compressor.compress(_buffer(np.bitwise_xor(plane, base_planes[i])))
+            xored = _zstd.compress(_buffer(np.bitwise_xor(plane, base_planes[i])), level)
             if len(xored) < _planes.body_length(body):  # strictly smaller wins: ties keep the plain method
                 method, body = XOR_ZSTD, xored
         mixed.append((method, body))

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
-import zstandard
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ZSTD_LEVEL
+from inshrink_store.codecs import _zstd
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
@@ -379,7 +379,7 @@ def protected_words(w: np.ndarray, protected: np.ndarray, protected_dtype: str) 
 def coded_words_bytes(words: np.ndarray) -> int:
     """Words zstd-coded alone at the store's level (raw when that is smaller)."""
     raw = words.astype(words.dtype.newbyteorder("<")).tobytes()
-    return min(len(raw), len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw))) if raw else 0
+    return min(len(raw), len(_zstd.compress(raw, ZSTD_LEVEL))) if raw else 0
 
 
 class PartitionCache:
