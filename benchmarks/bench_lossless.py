@@ -27,7 +27,13 @@ write nothing:
   overwrites its input, even a ``bytes`` object; the copy is timed), decompress; float32
   as a numpy array, bfloat16 as its bytes.
 - **the store's codec alone** (in memory): ``inshrink.bytegroup`` format 2 (what the store
-  writes) on the store's 4 MiB chunks, one thread per core: the like of ZipNN's row.
+  writes) on the store's 4 MiB chunks, one thread per core: the like of ZipNN's row; and on
+  one thread, the like of ZipNN's one-thread row.
+- **compiled loops / numpy passes**: with numba installed (the ``fast`` extra) the codec's
+  plane split, byte counts and packing run compiled; the store and codec rows are then also
+  measured with ``INSHRINK_KERNELS=numpy`` (the same bytes, numpy only), so the table shows
+  what numba buys. Below the table: what a fresh process's first large chunk costs beyond
+  the next (numba's import and loading its cached machine code).
 - **byte-grouped zstd** (in memory): ``inshrink.bytegroup`` format 1 (planes split, each
   zstd-1 or raw) on the store's 4 MiB chunks, one thread: byte grouping alone.
 - **Blosc zstd-3 + shuffle** (in memory): the store's lossless codec before this one, same
@@ -45,11 +51,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +67,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import inshrink_store as ins
+from inshrink_store.codecs import _kernels
 from inshrink_store.codecs.bytegroup import ByteGroup
 from inshrink_store.writer import LOSSLESS_LEVEL
 
@@ -119,7 +128,7 @@ def _chunks(arrays: list[np.ndarray]) -> list[np.ndarray]:
 Row = tuple[str, float, float, int]  # name, save s, load s, stored bytes
 
 
-def _store(state: dict[str, torch.Tensor], work: Path) -> Row:
+def _store(state: dict[str, torch.Tensor], work: Path, name: str) -> Row:
     arrays = {k: _bits(v) for k, v in state.items()}
     declared = {k: "BF16" for k, v in state.items() if v.dtype == torch.bfloat16}
     runs = iter(range(REPEAT))
@@ -143,7 +152,7 @@ def _store(state: dict[str, torch.Tensor], work: Path) -> Row:
         loads.append(time.perf_counter() - start)
         assert all(loaded[k].tobytes() == a.tobytes() for k, a in arrays.items()), "store: not bit-exact"
         shutil.rmtree(folder)
-    return "inshrink store (repo.save, local disk)", min(saves), min(loads), stored
+    return name, min(saves), min(loads), stored
 
 
 def _fsync_file(path: Path) -> None:
@@ -266,6 +275,42 @@ def _files(state: dict[str, torch.Tensor], work: Path) -> list[Row]:
             _file_row("safetensors", state, _fresh(work, "state.safetensors"), save_file, load_file)]
 
 
+@contextmanager
+def numpy_passes() -> Iterator[None]:
+    """The codec without its compiled loops (``INSHRINK_KERNELS=numpy``): the same bytes."""
+    before = os.environ.get(_kernels.ENV)
+    os.environ[_kernels.ENV] = "numpy"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_kernels.ENV]
+        else:
+            os.environ[_kernels.ENV] = before
+
+
+FIRST_CALL = """
+import time, numpy as np
+from inshrink_store.codecs import bytegroup
+chunk = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32).view(np.uint8)
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    bytegroup.encode_chunk(chunk, "float32", 1, "zstd+huffman")
+    times.append(time.perf_counter() - start)
+print(times[0] - times[1])
+"""
+
+
+def first_call_cost() -> float | None:
+    """Seconds a fresh process's first large chunk costs beyond the next one (numba's import
+    and loading the cached loops), None without numba."""
+    if _kernels.active() is None:
+        return None
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
 def measure(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Every row for one dtype of the state."""
     dtype = next(iter(state.values())).dtype
@@ -277,17 +322,29 @@ def measure(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="inshrink-lossless-"))
     rows: list[Row] = []
     notes: list[str] = []
+    compiled = _kernels.active() is not None
+    loops = "compiled loops" if compiled else "numpy passes: numba not installed"
     try:
-        rows.append(_store(state, work))
+        rows.append(_store(state, work, f"inshrink store (repo.save, local disk, {loops})"))
+        if compiled:
+            with numpy_passes():
+                rows.append(_store(state, work, "inshrink store (repo.save, local disk, numpy passes)"))
         zipnn_rows = _zipnn(state, work)
         if isinstance(zipnn_rows, str):
             notes.append(zipnn_rows)
         else:
             rows += zipnn_rows
-        rows.append(_chunk_codec(f"the store's codec alone (bytegroup format 2, {cores} threads)", ours.encode,
-                                 lambda e: ours.decode(e).tobytes(), state, cores))
-        rows.append(_chunk_codec("the store's codec alone (bytegroup format 2, 1 thread)", ours.encode,
+        rows.append(_chunk_codec(f"the store's codec alone (bytegroup format 2, {loops}, {cores} threads)",
+                                 ours.encode, lambda e: ours.decode(e).tobytes(), state, cores))
+        rows.append(_chunk_codec(f"the store's codec alone (bytegroup format 2, {loops}, 1 thread)", ours.encode,
                                  lambda e: ours.decode(e).tobytes(), state))
+        if compiled:
+            with numpy_passes():
+                for threads in (cores, 1):
+                    rows.append(_chunk_codec(
+                        f"the store's codec alone (bytegroup format 2, numpy passes, {threads} thread"
+                        f"{'s' if threads > 1 else ''})", ours.encode, lambda e: ours.decode(e).tobytes(),
+                        state, threads))
         rows.append(_chunk_codec("byte-grouped zstd-1 (bytegroup format 1, 1 thread)", grouped.encode,
                                  lambda e: grouped.decode(e).tobytes(), state))
         rows.append(_chunk_codec("Blosc zstd-3 + shuffle (the store before, 1 thread)",
@@ -304,7 +361,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     if quick:  # the harness only: the first few tensors
         state = dict(list(state.items())[:8])
     bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    return {"source": source, "results": [measure(state), measure(bf16)], "cores": os.cpu_count()}
+    return {"source": source, "results": [measure(state), measure(bf16)], "cores": os.cpu_count(),
+            "first_call": first_call_cost()}
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -314,7 +372,14 @@ def to_markdown(result: dict[str, Any]) -> str:
              "ZipNN use all of them; the other chunk-codec rows one thread). Rows on the local "
              "disk write fresh files every run and fsync them: the store's save also includes "
              "zarr metadata, hashing and one file per chunk object; ZipNN + write is its "
-             "compression and one file. The other codec rows are in memory.", ""]
+             "compression and one file. The other codec rows are in memory. *Compiled loops* are "
+             "the codec's plane split, byte counts and packing compiled by numba (the `fast` "
+             "extra); *numpy passes* the same code without it (`INSHRINK_KERNELS=numpy`): the "
+             "bytes are identical, only the time differs.", ""]
+    if result.get("first_call") is not None:
+        lines += [f"A fresh process pays numba once, on its first chunk large enough for the loops "
+                  f"(64 KiB): {result['first_call']:.2f} s for its import and for loading the "
+                  "compiled loops from numba's cache (the best-of times above exclude it).", ""]
     for res in result["results"]:
         logical = res["logical"]
         lines += [f"**{res['dtype']}**: {logical / 1e6:.1f} MB", "",

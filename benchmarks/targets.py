@@ -12,6 +12,15 @@ from typing import Any
 
 #: a row measured on one thread ("(1 thread, ...)", ", 1 thread)"), not "11 threads"
 ONE_THREAD = re.compile(r"[ (]1 thread[,)]")
+#: a row of the codec with its compiled loops turned off beside the same row with them on
+#: (not the main row of a machine without numba, which says "numpy passes: numba not installed")
+NUMPY_PASSES = re.compile(r"numpy passes[,)]")
+
+
+def _key(name: str) -> str:
+    """A lossless row's key: its method, then " numpy" and " 1" for those variants."""
+    return (name.split(" (")[0] + (" numpy" if NUMPY_PASSES.search(name) else "")
+            + (" 1" if ONE_THREAD.search(name) else ""))
 
 
 def _store_vs_torch(store: dict[str, Any]) -> tuple[float, float]:
@@ -35,8 +44,7 @@ def _against_zipnn(floats: dict[str, Any]) -> list[str]:
     one per dtype: the ratio, the store's save and its codec beside ZipNN on as many threads."""
     lines = []
     for res in floats["results"]:
-        rows = {name.split(" (")[0] + (" 1" if ONE_THREAD.search(name) else ""): (t, size)
-                for name, t, _load, size in res["rows"]}
+        rows = {_key(name): (t, size) for name, t, _load, size in res["rows"]}
         for key in [k for k in rows if k.endswith(" 1")]:  # on one core "all cores" is one thread
             rows.setdefault(key[:-2], rows[key])
         if "ZipNN" not in rows:
@@ -49,14 +57,23 @@ def _against_zipnn(floats: dict[str, Any]) -> list[str]:
         save_met = "yes" if store[0] <= zipnn[0] else (
             "no: the save writes one fsynced file per object (chunks, one tree per tensor, the root "
             "tree, snapshot, ref and lease); " + ("the codec alone is faster than ZipNN" if codec[0] <= zipnn[0] else
-                               "and the codec alone is slower than ZipNN (numpy passes over each plane; ZipNN is C)"))
+                               "and the codec alone is slower than ZipNN"))
+        numpy_rows = ""
+        plain, plain1 = rows.get("the store's codec alone numpy"), rows.get("the store's codec alone numpy 1")
+        if plain is not None and plain1 is not None:
+            saved = rows["inshrink store numpy"][0]
+            numpy_rows = (f"; without numba (numpy passes) the save is {saved:.3f} s, the codec "
+                          f"{plain[0] / zipnn[0]:.2f}x ZipNN on all cores and {plain1[0] / zipnn1[0]:.2f}x on one")
         lines.append(f"| lossless {res['dtype']}: ratio >= ZipNN's | {ratio:.3f}x ZipNN's | "
                      f"{'yes' if ratio >= 1 else 'no'} | lossless floats |")
         lines.append(f"| lossless {res['dtype']}: store save <= ZipNN compress (all cores, in memory) | "
                      f"{store[0] / zipnn[0]:.1f}x ({store[0]:.3f} s against {zipnn[0]:.3f} s); against ZipNN "
                      f"+ write (one fsynced file) {store[0] / written[0]:.2f}x; codec alone "
-                     f"{codec[0] / zipnn[0]:.2f}x on all cores, {codec1[0] / zipnn1[0]:.2f}x on one | {save_met} "
-                     "| lossless floats |")
+                     f"{codec[0] / zipnn[0]:.2f}x on all cores, {codec1[0] / zipnn1[0]:.2f}x on one{numpy_rows} "
+                     f"| {save_met} | lossless floats |")
+        lines.append(f"| lossless {res['dtype']}: codec alone <= ZipNN compress (in memory, one thread) | "
+                     f"{codec1[0] / zipnn1[0]:.2f}x ({codec1[0]:.3f} s against {zipnn1[0]:.3f} s) | "
+                     f"{'yes' if codec1[0] <= zipnn1[0] else 'no'} | lossless floats |")
     return lines
 
 

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from inshrink_store.codecs import _zstd
+from inshrink_store.codecs import _kernels, _zstd
 from inshrink_store.errors import FormatError
 
 #: stream coders (also the plane methods of the same value)
@@ -103,6 +103,15 @@ def sample(data: np.ndarray) -> np.ndarray:
     return data[:: max(1, data.size // SAMPLE)]
 
 
+def byte_histogram(data: np.ndarray) -> np.ndarray:
+    """How often each byte value occurs in the uint8 array ``data`` (256 int64 counts):
+    ``np.bincount``, or one compiled pass when numba is installed (:mod:`._kernels`)."""
+    kernels = _kernels.for_bytes(data.size)
+    if kernels is not None:
+        return cast(np.ndarray, kernels.histogram(data))
+    return np.bincount(data, minlength=256)
+
+
 def _zstd_trial(data: np.ndarray, level: int) -> tuple[int, float] | None:
     """zstd's size on the first :data:`SAMPLE` bytes of ``data`` and their order-0 bound
     (what a Huffman code of them cannot beat); None for a small ``data``, where every coder
@@ -111,7 +120,7 @@ def _zstd_trial(data: np.ndarray, level: int) -> tuple[int, float] | None:
         return None
     head = data[:SAMPLE]
     coded = len(_zstd.compress(_buffer(head), level))
-    return coded, entropy_bytes(np.bincount(head, minlength=256))
+    return coded, entropy_bytes(byte_histogram(head))
 
 
 def _packing_wins(data: np.ndarray, hist: np.ndarray, level: int, zstd_head: int) -> bool:
@@ -170,7 +179,7 @@ def stream_body(data: np.ndarray, level: int, packable: bool = False) -> tuple[i
     if not data.size:
         return best
     seen = sample(data)
-    hist = np.bincount(seen, minlength=256)
+    hist = byte_histogram(seen)
     top = np.sort(hist)[::-1]
     skewed = bool(top[1]) and entropy_bytes(hist) < HUFFMAN_WORTH * seen.size  # and not constant
     packs = skewed and packable and top[:15].sum() >= PACK_COVERAGE * seen.size
@@ -338,6 +347,9 @@ def _packed_by_pairs(data: np.ndarray, bits: int, table: np.ndarray) -> tuple[np
     pairs holding one are read again."""
     k = table.size
     rank_of = _rank_of(table)
+    kernels = _kernels.for_bytes(data.size)
+    if kernels is not None:
+        return _packed_compiled(kernels, data, bits, rank_of, k)
     n = data.size
     even = n & ~1
     pairs = np.empty(-(-n // 2), np.uint8)
@@ -362,6 +374,20 @@ def _packed_by_pairs(data: np.ndarray, bits: int, table: np.ndarray) -> tuple[np
     if pairs.size & 1:  # bits 2: two pairs of ranks to a byte
         pairs = np.append(pairs, np.uint8(0))
     return pairs[0::2] | (pairs[1::2] << np.uint8(4)), escapes
+
+
+def _packed_compiled(kernels: Any, data: np.ndarray, bits: int, rank_of: np.ndarray,
+                     k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_packed_by_pairs` in one compiled pass (the same bytes): the pair table's
+    entries carry 256 where a pair holds an escape, so the pass finds them as it packs."""
+    pair_table = _pair_table(rank_of, bits).astype(np.uint16)
+    escaped = rank_of == k
+    pair_table |= ((escaped[:, None] | escaped).reshape(-1).astype(np.uint16) << 8)
+    pairs = -(-data.size // 2)
+    packed = np.empty(pairs if bits == 4 else -(-pairs // 2), np.uint8)
+    escapes = np.empty(data.size, np.uint8)
+    found = kernels.pack_pairs(data, pair_table, rank_of, k, bits, packed, escapes)
+    return packed, escapes[:found].copy()
 
 
 def _packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,164 @@
+"""Compiled loops for the lossless float codec's hot passes, when numba is installed.
+
+Why: a lossless float chunk is split into byte planes, each plane's bytes are counted
+(a sample, then a trial's head), and the exponent plane is packed into ranks. In numpy
+each is several passes over the chunk with fresh temporaries, and ``np.bincount`` runs
+at about a byte per nanosecond (it widens every byte to a 64-bit index first); on a
+bfloat16 chunk those passes were over half of the encoding. Each loop here is one pass.
+
+They compute exactly what the numpy code beside their callers computes (same planes,
+same counts, same packed bytes and escapes), so the stored bytes never depend on whether
+numba is installed; ``tests/test_kernels.py`` checks that, byte for byte, on the
+property-test strategies. numba stays optional (``pip install inshrink-store[fast]``):
+without it, or with ``INSHRINK_KERNELS=numpy`` in the environment, the numpy code runs.
+Compiled code is cached beside this file (or in numba's user cache), so only a process's
+first call to each loop pays for loading it.
+
+The loops release the GIL (``nogil``): the writer's encoder threads run them side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+_log = logging.getLogger(__name__)
+#: ``INSHRINK_KERNELS=numpy`` turns the compiled loops off (A/B timings, a numba problem)
+ENV = "INSHRINK_KERNELS"
+#: inputs below this many bytes take the numpy code: a process that only ever codes small
+#: tensors (tests, the CLI on a toy model) never imports numba, whose import and first
+#: call cost ~0.6 s once per process (what a 4 MiB chunk's numpy passes cost 40 times over)
+KERNEL_MIN = 1 << 16
+_loaded: SimpleNamespace | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def active() -> SimpleNamespace | None:
+    """The compiled loops, or None when numba is missing, fails to import, or is turned off."""
+    global _loaded, _tried
+    if os.environ.get(ENV, "").strip().lower() == "numpy":
+        return None
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _loaded = _compile()
+                except Exception as exc:  # numba refuses some numpy versions at import
+                    _log.info("numba unavailable (%s: %s); the lossless codec runs its numpy passes",
+                              type(exc).__name__, exc)
+                    _loaded = None
+                _tried = True
+    return _loaded
+
+
+def for_bytes(size: int) -> SimpleNamespace | None:
+    """:func:`active` for an input of ``size`` bytes, None below :data:`KERNEL_MIN`."""
+    return active() if size >= KERNEL_MIN else None
+
+
+def _jit(function: Any) -> Any:
+    """``function`` compiled on its first call, its machine code cached on disk where numba
+    finds a writable place for it (beside this file, else its user cache), else not cached."""
+    from numba import njit
+
+    try:
+        return njit(nogil=True, cache=True, boundscheck=False)(function)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return njit(nogil=True, boundscheck=False)(function)
+
+
+def _compile() -> SimpleNamespace:
+    """The loops, jitted lazily (each compiles, or loads from the cache, on its first call)."""
+    import numba  # noqa: F401 - the ImportError (numba missing or refusing this numpy) is here
+
+    jit = _jit
+
+    @jit
+    def histogram(data: Any) -> Any:  # pragma: no cover - compiled
+        # four counters per value: a run of one value (an exponent plane is mostly a few)
+        # would otherwise wait on the same counter's previous increment at every byte
+        lanes = np.zeros((4, 256), np.int64)
+        n = data.size
+        quads = n - n % 4
+        for i in range(0, quads, 4):
+            lanes[0, data[i]] += 1
+            lanes[1, data[i + 1]] += 1
+            lanes[2, data[i + 2]] += 1
+            lanes[3, data[i + 3]] += 1
+        for i in range(quads, n):
+            lanes[0, data[i]] += 1
+        out = np.empty(256, np.int64)
+        for b in range(256):
+            out[b] = lanes[0, b] + lanes[1, b] + lanes[2, b] + lanes[3, b]
+        return out
+
+    @jit
+    def planes2(words: Any, rotate: bool, out: Any) -> None:  # pragma: no cover - compiled
+        if rotate:
+            for i in range(words.size):
+                w = words[i]
+                out[0, i] = (w >> 7) & 0xFF
+                out[1, i] = ((w << 1) | (w >> 15)) & 0xFF
+        else:
+            for i in range(words.size):
+                w = words[i]
+                out[0, i] = w >> 8
+                out[1, i] = w & 0xFF
+
+    @jit
+    def planes4(words: Any, rotate: bool, out: Any) -> None:  # pragma: no cover - compiled
+        if rotate:
+            for i in range(words.size):
+                w = words[i]
+                out[0, i] = (w >> 23) & 0xFF
+                out[1, i] = (w >> 15) & 0xFF
+                out[2, i] = (w >> 7) & 0xFF
+                out[3, i] = ((w << 1) | (w >> 31)) & 0xFF
+        else:
+            for i in range(words.size):
+                w = words[i]
+                out[0, i] = w >> 24
+                out[1, i] = (w >> 16) & 0xFF
+                out[2, i] = (w >> 8) & 0xFF
+                out[3, i] = w & 0xFF
+
+    @jit
+    def pack_pairs(data: Any, pair_table: Any, rank_of: Any, k: int, bits: int, packed: Any,
+                   escapes: Any) -> int:  # pragma: no cover - compiled
+        # pair_table[hi * 256 + lo]: the two ranks packed (first in the lowest bits), plus 256
+        # when either is the escape's (k); two pairs to a byte for 2 bits. The escaped values
+        # are kept in element order; returns how many.
+        found = 0
+        n = data.size
+        for p in range((n + 1) // 2):
+            if 2 * p + 1 < n:
+                a = data[2 * p]
+                b = data[2 * p + 1]
+                entry = pair_table[a | (b << 8)]
+            else:  # the last of an odd plane, its partner's rank 0 (padding)
+                a = data[2 * p]
+                b = -1
+                entry = rank_of[a] | (256 if rank_of[a] == k else 0)
+            if entry > 0xFF:
+                if rank_of[a] == k:
+                    escapes[found] = a
+                    found += 1
+                if b >= 0 and rank_of[b] == k:
+                    escapes[found] = b
+                    found += 1
+            pair = entry & 0xFF
+            if bits == 4:
+                packed[p] = pair
+            elif p % 2 == 0:
+                packed[p // 2] = pair
+            else:
+                packed[p // 2] |= pair << 4
+        return found
+
+    return SimpleNamespace(histogram=histogram, planes2=planes2, planes4=planes4, pack_pairs=pack_pairs)

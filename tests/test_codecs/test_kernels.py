@@ -1,0 +1,207 @@
+"""The compiled loops (numba, optional) give the numpy code's results byte for byte.
+
+The stored bytes must never depend on whether numba is installed (the store addresses
+chunks by content, so a second machine without it would otherwise dedup nothing), so
+each loop is checked against the numpy code it replaces on the same inputs, and whole
+chunks are encoded both ways. Without numba the tests of the loops skip; the fallback
+and the size gate are tested either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inshrink_store import dtypes
+from inshrink_store.codecs import _kernels, _planes
+from inshrink_store.codecs import bytegroup as bg
+from inshrink_store.testing import float_arrays
+
+MIN = _kernels.KERNEL_MIN
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    pytest.importorskip("numba")
+    with _env(None):
+        loaded = _kernels.active()
+    assert loaded is not None, "numba is installed, so the compiled loops must load"
+    return loaded
+
+
+@contextmanager
+def _env(value: str | None) -> Iterator[None]:
+    """``INSHRINK_KERNELS`` set to ``value`` (None: unset) inside the block."""
+    before = os.environ.pop(_kernels.ENV, None)
+    if value is not None:
+        os.environ[_kernels.ENV] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(_kernels.ENV, None)
+        if before is not None:
+            os.environ[_kernels.ENV] = before
+
+
+def _numpy() -> AbstractContextManager[None]:
+    return _env("numpy")
+
+
+def _skewed(rng: np.random.Generator, n: int, palette: int) -> np.ndarray:
+    """Bytes like an exponent plane: a few values, most of them one or two."""
+    return (120 + rng.zipf(1.4, n) % palette).astype(np.uint8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 5000), seed=st.integers(0, 2**32 - 1), stride=st.integers(1, 5),
+       offset=st.integers(0, 3), palette=st.sampled_from([1, 3, 40, 256]))
+def test_the_compiled_histogram_is_bincount_on_any_layout(kernels, n, seed, stride, offset, palette):
+    rng = np.random.default_rng(seed)
+    data = _skewed(rng, n + offset, palette) if palette < 256 else rng.integers(0, 256, n + offset).astype(np.uint8)
+    view = data[offset::stride]  # unaligned and strided, as a plane's sample is
+    counts = kernels.histogram(view)
+    assert counts.dtype == np.int64
+    assert counts.tolist() == np.bincount(view, minlength=256).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(itemsize=st.sampled_from([2, 4]), n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1),
+       offset=st.integers(0, 3))
+def test_the_compiled_plane_split_is_the_numpy_split(kernels, itemsize, n, seed, offset):
+    """Any bit pattern, rotated (sign last) or not, from an unaligned buffer."""
+    raw = np.random.default_rng(seed).integers(0, 256, n * itemsize + offset).astype(np.uint8)
+    words = np.ascontiguousarray(raw[offset:]).view(f"<u{itemsize}")
+    for rotate in (False, True):
+        expected = bg.split_planes(bg.sign_last(raw[offset:], itemsize) if rotate else raw[offset:], itemsize)
+        out = np.empty((itemsize, words.size), np.uint8)
+        (kernels.planes2 if itemsize == 2 else kernels.planes4)(words, rotate, out)
+        assert [row.tobytes() for row in out] == [p.tobytes() for p in expected]
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 3 * _planes.PAIR_LOOKUP_MIN + 5), palette=st.integers(1, 40),
+       hidden=st.integers(0, 6), seed=st.integers(0, 2**32 - 1), offset=st.integers(0, 1))
+def test_compiled_packing_gives_the_pair_lookup_bytes(kernels, n, palette, hidden, seed, offset):
+    """2- and 4-bit ranks, odd and even lengths, unaligned planes, escapes anywhere (the
+    last element included): the packed ranks and the escapes, in order, of the numpy pairs."""
+    rng = np.random.default_rng(seed)
+    data = (rng.zipf(1.5, n + offset) % palette * 3).astype(np.uint8)[offset:]
+    data[rng.integers(0, n, hidden)] = 250
+    if hidden and seed % 2:
+        data[-1] = 251
+    hist = np.bincount(data[::3], minlength=256)
+    bits, table, distinct = _planes._sample_table(hist)
+    if distinct > table.size:
+        table = table[:-1]
+    if bits not in (2, 4) or table.size >= 1 << bits:
+        return  # the pair path's precondition: 2 or 4 bits with a rank left for the escape
+    rank_of = _planes._rank_of(table)
+    packed, escapes = _planes._packed_compiled(kernels, data, bits, rank_of, table.size)
+    saved = _kernels._loaded
+    try:
+        _kernels._loaded = None  # the numpy pairs, whatever the size
+        want_packed, want_escapes = _planes._packed_by_pairs(data, bits, table)
+    finally:
+        _kernels._loaded = saved
+    assert packed.tobytes() == want_packed.tobytes()
+    assert escapes.tobytes() == want_escapes.tobytes()
+
+
+def _large_weights(dtype: str, n: int, seed: int, kind: str) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        w = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    elif kind == "palette":  # few exponents and mantissas: packing with escapes, Huffman
+        w = rng.choice(np.float32([0, 0.5, -0.25, 1e-3, 3.0, np.inf, -0.0]), n, p=[.5, .2, .1, .1, .05, .03, .02])
+    else:  # specials and subnormals everywhere
+        w = rng.standard_normal(n).astype(np.float32)
+        w[rng.integers(0, n, n // 50)] = np.float32(1e-42)
+        w[rng.integers(0, n, n // 50)] = np.nan
+    return dtypes.by_codec_name(dtype).from_float32(w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+       extra=st.integers(0, 3 * MIN), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["normal", "palette", "specials"]), level=st.sampled_from([1, 3]))
+def test_chunks_large_enough_for_the_loops_encode_to_the_numpy_bytes(kernels, dtype, extra, seed, kind, level):
+    array = _large_weights(dtype, MIN // 2 + extra, seed, kind)  # planes on both sides of the gate
+    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    base = np.ascontiguousarray(_large_weights(dtype, array.size, seed + 1, kind)).reshape(-1).view(np.uint8)
+    with _env(None):
+        compiled = bg.encode_keyframe_and_delta(data, dtype, level, "zstd+huffman", base)
+    with _numpy():
+        assert bg.encode_keyframe_and_delta(data, dtype, level, "zstd+huffman", base) == compiled
+    assert bg.ByteGroup(dtype, coder="zstd+huffman").decode(compiled[0]).tobytes() == data.tobytes()
+
+
+@settings(max_examples=30, deadline=None)
+@given(sample=float_arrays())
+def test_small_arrays_encode_the_same_with_the_loops_on_or_off(kernels, sample):
+    codec = bg.ByteGroup(sample.dtype, coder="zstd+huffman")
+    with _env(None):
+        on = codec.encode(sample.array)
+    with _numpy():
+        assert codec.encode(sample.array) == on
+
+
+def test_threads_running_the_loops_side_by_side_give_the_serial_bytes(kernels):
+    chunks = [np.ascontiguousarray(_large_weights("bfloat16", 1 << 19, seed, "normal")).view(np.uint8)
+              for seed in range(6)]
+    serial = [bg.encode_chunk(c, "bfloat16", 1, "zstd+huffman") for c in chunks]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(lambda c: bg.encode_chunk(c, "bfloat16", 1, "zstd+huffman"), chunks))
+    assert parallel == serial
+
+
+def test_the_environment_switch_turns_the_loops_off():
+    with _numpy():
+        assert _kernels.active() is None
+        assert _kernels.for_bytes(1 << 30) is None
+
+
+def test_inputs_below_the_gate_never_ask_for_the_loops(monkeypatch):
+    asked: list[int] = []
+    monkeypatch.setattr(_kernels, "active", lambda: asked.append(1))
+    assert _kernels.for_bytes(MIN - 1) is None
+    assert not asked
+    _kernels.for_bytes(MIN)
+    assert asked == [1]
+
+
+def test_without_numba_the_codec_runs_its_numpy_passes_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.delenv(_kernels.ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba -> ImportError
+    monkeypatch.setattr(_kernels, "_tried", False)
+    monkeypatch.setattr(_kernels, "_loaded", None)
+    with caplog.at_level(logging.INFO, logger=_kernels.__name__):
+        assert _kernels.active() is None
+        assert _kernels.active() is None
+    said = [r for r in caplog.records if "numba unavailable" in r.getMessage()]
+    assert len(said) == 1
+    data = np.ascontiguousarray(_large_weights("float32", MIN, 3, "normal")).view(np.uint8)
+    encoded = bg.encode_chunk(data, "float32", 1, "zstd+huffman")
+    assert bg.ByteGroup("float32", coder="zstd+huffman").decode(encoded).tobytes() == data.tobytes()
+
+
+def test_a_process_coding_only_small_tensors_never_imports_numba(tmp_path):
+    """The CLI on a toy model must not pay numba's import and first call (~0.6 s)."""
+    script = (
+        "import sys, numpy as np, inshrink_store as ins\n"
+        f"repo = ins.open({str(tmp_path / 's')!r}, create=True)\n"
+        "repo.save({'w': np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)})\n"
+        "assert (repo.load()['w'] != 0).any()\n"
+        "print('numba' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
