@@ -161,4 +161,54 @@ def _compile() -> SimpleNamespace:
                 packed[p // 2] |= pair << 4
         return found
 
-    return SimpleNamespace(histogram=histogram, planes2=planes2, planes4=planes4, pack_pairs=pack_pairs)
+    @jit
+    def pack_whole(data: Any, rank_of: Any, k: int, bits: int, packed: Any) -> bool:  # pragma: no cover
+        # every value's rank, 8 // bits to a byte (first in the lowest bits, zero padding);
+        # False where a value ranks k (outside the table): the caller then takes the numpy
+        # path, which widens the ranks or drops the rarest value. A full table has k ==
+        # 2**bits, so a rank is k exactly where it has a bit at or above ``bits``: the ranks
+        # are OR-ed together and checked once at the end (no branch in the loop).
+        per = 8 // bits
+        n = data.size
+        whole = n // per
+        seen = 0
+        if per == 8:
+            for j in range(whole):
+                at = 8 * j
+                r0 = rank_of[data[at]]
+                r1 = rank_of[data[at + 1]]
+                r2 = rank_of[data[at + 2]]
+                r3 = rank_of[data[at + 3]]
+                r4 = rank_of[data[at + 4]]
+                r5 = rank_of[data[at + 5]]
+                r6 = rank_of[data[at + 6]]
+                r7 = rank_of[data[at + 7]]
+                seen |= r0 | r1 | r2 | r3 | r4 | r5 | r6 | r7
+                packed[j] = r0 | (r1 << 1) | (r2 << 2) | (r3 << 3) | (r4 << 4) | (r5 << 5) | (r6 << 6) | (r7 << 7)
+        elif per == 4:
+            for j in range(whole):
+                at = 4 * j
+                r0 = rank_of[data[at]]
+                r1 = rank_of[data[at + 1]]
+                r2 = rank_of[data[at + 2]]
+                r3 = rank_of[data[at + 3]]
+                seen |= r0 | r1 | r2 | r3
+                packed[j] = r0 | (r1 << 2) | (r2 << 4) | (r3 << 6)
+        else:
+            for j in range(whole):
+                at = 2 * j
+                r0 = rank_of[data[at]]
+                r1 = rank_of[data[at + 1]]
+                seen |= r0 | r1
+                packed[j] = r0 | (r1 << 4)
+        if whole * per < n:
+            last = 0
+            for i in range(n - whole * per):
+                r = rank_of[data[whole * per + i]]
+                seen |= r
+                last |= r << (i * bits)
+            packed[whole] = last
+        return (seen >> bits) == 0
+
+    return SimpleNamespace(histogram=histogram, planes2=planes2, planes4=planes4, pack_pairs=pack_pairs,
+                           pack_whole=pack_whole)

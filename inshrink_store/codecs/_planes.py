@@ -407,6 +407,12 @@ def _packed(data: np.ndarray, hist: np.ndarray) -> tuple[int, np.ndarray, np.nda
         packed, escapes = _packed_by_pairs(data, bits, table)
         return bits, table, packed, escapes
     # small planes, one bit, or a full table (whether it must widen is known after a pass)
+    kernels = _kernels.for_bytes(data.size)
+    if kernels is not None and table.size == 1 << bits:
+        # a full table packs as it is unless a value outside it occurs (then _ranks widens)
+        packed = np.empty(-(-data.size // (8 // bits)), np.uint8)
+        if kernels.pack_whole(data, _rank_of(table), table.size, bits, packed):
+            return bits, table, packed, np.zeros(0, np.uint8)
     bits, table, ranks, escaped = _ranks(data, hist)
     escapes = data[escaped] if escaped is not None else np.zeros(0, np.uint8)
     return bits, table, pack_ranks(ranks, bits), escapes

@@ -117,6 +117,28 @@ def test_compiled_packing_gives_the_pair_lookup_bytes(kernels, n, palette, hidde
     assert escapes.tobytes() == want_escapes.tobytes()
 
 
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 5000), bits=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1),
+       outside=st.booleans(), offset=st.integers(0, 1))
+def test_compiled_packing_of_a_full_table_is_ranking_then_packing(kernels, n, bits, seed, outside, offset):
+    """A table holding 2**bits values: the ranks packed as pack_ranks packs them (every
+    length, zero padding), or False where a value outside the table occurs (anywhere, the
+    last element included), which sends the plane to the numpy path that widens."""
+    rng = np.random.default_rng(seed)
+    values = rng.choice(256, 1 << bits, replace=False).astype(np.uint8)
+    data = values[rng.integers(0, values.size, n + offset)][offset:].copy()
+    table = np.sort(values)
+    rank_of = _planes._rank_of(table)
+    if outside:
+        stray = np.setdiff1d(np.arange(256, dtype=np.uint8), values)[0]
+        data[rng.integers(0, n) if seed % 3 else n - 1] = stray
+    packed = np.empty(-(-n // (8 // bits)), np.uint8)
+    done = kernels.pack_whole(data, rank_of, table.size, bits, packed)
+    assert done is not outside
+    if done:
+        assert packed.tobytes() == _planes.pack_ranks(np.take(rank_of, data), bits).tobytes()
+
+
 def _large_weights(dtype: str, n: int, seed: int, kind: str) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if kind == "normal":
