@@ -39,6 +39,13 @@ def _flat(scaling: dict[str, Any], cpu: str) -> tuple[float, float, float]:
     return min(rates), max(rates), rates[-1]
 
 
+def _disk_note(floats: dict[str, Any]) -> str:
+    disk = floats.get("disk")
+    if not disk:
+        return ""
+    return f" and this disk takes {disk[0] * 1e3:.2f} ms to create a file, {disk[1] * 1e3:.2f} ms a folder"
+
+
 def _against_zipnn(floats: dict[str, Any]) -> list[str]:
     """Rows of the lossless target (issue: ratio >= ZipNN's, save time <= its compress time),
     one per dtype: the ratio, the store's save and its codec beside ZipNN on as many threads."""
@@ -50,27 +57,28 @@ def _against_zipnn(floats: dict[str, Any]) -> list[str]:
         if "ZipNN" not in rows:
             lines.append(f"| lossless {res['dtype']}: ratio and save time against ZipNN | ZipNN not installed | – | lossless floats |")
             continue
-        store, zipnn, codec = rows["inshrink store"], rows["ZipNN"], rows["the store's codec alone"]
+        fresh, zipnn, codec = rows["inshrink store"], rows["ZipNN"], rows["the store's codec alone"]
+        store = rows.get("inshrink store in use", fresh)  # what every save after a store's first few pays
         written = rows["ZipNN + write"]
         codec1, zipnn1 = rows["the store's codec alone 1"], rows["ZipNN 1"]
         ratio = zipnn[1] / store[1]  # ours over theirs: stored bytes inverted
         save_met = "yes" if store[0] <= zipnn[0] else (
             "no: the save writes one fsynced file per object (chunks, one tree per tensor, the root "
-            "tree, snapshot, ref and lease); " + ("the codec alone is faster than ZipNN" if codec[0] <= zipnn[0] else
-                               "and the codec alone is slower than ZipNN"))
-        numpy_rows = ""
+            f"tree, snapshot, ref and lease){_disk_note(floats)}; "
+            + ("the codec alone is faster than ZipNN" if codec[0] <= zipnn[0] else "and the codec alone is slower than ZipNN"))
         plain, plain1 = rows.get("the store's codec alone numpy"), rows.get("the store's codec alone numpy 1")
+        numpy_rows = ""
         if plain is not None and plain1 is not None:
             saved = rows["inshrink store numpy"][0]
-            numpy_rows = (f"; without numba (numpy passes) the save is {saved:.3f} s, the codec "
+            numpy_rows = (f"; without numba (numpy passes) the fresh store's save is {saved:.3f} s, the codec "
                           f"{plain[0] / zipnn[0]:.2f}x ZipNN on all cores and {plain1[0] / zipnn1[0]:.2f}x on one")
         lines.append(f"| lossless {res['dtype']}: ratio >= ZipNN's | {ratio:.3f}x ZipNN's | "
                      f"{'yes' if ratio >= 1 else 'no'} | lossless floats |")
         lines.append(f"| lossless {res['dtype']}: store save <= ZipNN compress (all cores, in memory) | "
-                     f"{store[0] / zipnn[0]:.1f}x ({store[0]:.3f} s against {zipnn[0]:.3f} s); against ZipNN "
-                     f"+ write (one fsynced file) {store[0] / written[0]:.2f}x; codec alone "
-                     f"{codec[0] / zipnn[0]:.2f}x on all cores, {codec1[0] / zipnn1[0]:.2f}x on one{numpy_rows} "
-                     f"| {save_met} | lossless floats |")
+                     f"{store[0] / zipnn[0]:.2f}x ({store[0]:.3f} s against {zipnn[0]:.3f} s) in a store in use, "
+                     f"{fresh[0] / zipnn[0]:.2f}x in a fresh one; against ZipNN + write (one fsynced file) "
+                     f"{store[0] / written[0]:.2f}x; codec alone {codec[0] / zipnn[0]:.2f}x on all cores, "
+                     f"{codec1[0] / zipnn1[0]:.2f}x on one{numpy_rows} | {save_met} | lossless floats |")
         lines.append(f"| lossless {res['dtype']}: codec alone <= ZipNN compress (in memory, one thread) | "
                      f"{codec1[0] / zipnn1[0]:.2f}x ({codec1[0]:.3f} s against {zipnn1[0]:.3f} s) | "
                      f"{'yes' if codec1[0] <= zipnn1[0] else 'no'} | lossless floats |")
