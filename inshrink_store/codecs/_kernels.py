@@ -136,29 +136,36 @@ def _compile() -> SimpleNamespace:
         # are kept in element order; returns how many.
         found = 0
         n = data.size
-        for p in range((n + 1) // 2):
-            if 2 * p + 1 < n:
-                a = data[2 * p]
-                b = data[2 * p + 1]
-                entry = pair_table[a | (b << 8)]
-            else:  # the last of an odd plane, its partner's rank 0 (padding)
-                a = data[2 * p]
-                b = -1
-                entry = rank_of[a] | (256 if rank_of[a] == k else 0)
-            if entry > 0xFF:
+        full = n // 2
+        for p in range(full):
+            a = data[2 * p]
+            b = data[2 * p + 1]
+            entry = pair_table[a | (b << 8)]
+            if entry > 0xFF:  # rare: a value outside the table
                 if rank_of[a] == k:
                     escapes[found] = a
                     found += 1
-                if b >= 0 and rank_of[b] == k:
+                if rank_of[b] == k:
                     escapes[found] = b
                     found += 1
-            pair = entry & 0xFF
             if bits == 4:
-                packed[p] = pair
-            elif p % 2 == 0:
-                packed[p // 2] = pair
+                packed[p] = entry & 0xFF
+            elif p & 1:
+                packed[p >> 1] |= (entry & 0xFF) << 4
             else:
-                packed[p // 2] |= pair << 4
+                packed[p >> 1] = entry & 0xFF
+        if n & 1:  # the last of an odd plane, its partner's rank 0 (padding)
+            a = data[n - 1]
+            pair = rank_of[a]
+            if pair == k:
+                escapes[found] = a
+                found += 1
+            if bits == 4:
+                packed[full] = pair
+            elif full & 1:
+                packed[full >> 1] |= pair << 4
+            else:
+                packed[full >> 1] = pair
         return found
 
     @jit

@@ -227,3 +227,26 @@ def test_a_process_coding_only_small_tensors_never_imports_numba(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_without_a_writable_cache_the_loops_compile_uncached(kernels, monkeypatch):
+    """numba refuses ``cache=True`` where it finds no writable place (a read-only install
+    and no user cache): the loops are then compiled in memory, not given up."""
+    numba = pytest.importorskip("numba")
+    real = numba.njit
+    asked: list[bool] = []
+
+    def njit(**options):
+        asked.append(options.get("cache", False))
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'x'")
+        return real(**options)
+
+    monkeypatch.setattr(numba, "njit", njit)
+
+    def double(x):
+        return 2 * x
+
+    compiled = _kernels._jit(double)
+    assert asked == [True, False]
+    assert compiled(21) == 42
