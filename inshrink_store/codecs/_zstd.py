@@ -3,9 +3,12 @@
 A zstd frame may declare its content size, and ``ZstdDecompressor().decompress``
 allocates that much up front (a corrupt or hostile frame declaring 10**18 bytes is a
 ``MemoryError``; a huge ``max_output_size`` an ``OverflowError``). Here the declared
-size is checked against the caller's limit first; a frame that declares a size within
-it is decompressed in one call (zstd checks the real size against the declared one), a
-frame that declares none in 1 MiB steps that stop as soon as the output passes the limit.
+size is checked against the caller's limit first, and against what the frame's own
+length can hold at all (zstd's largest expansion, :data:`MAX_EXPANSION` per byte). A
+frame that declares a size it plausibly holds (at most :data:`ONE_SHOT_RATIO` times its
+length, or :data:`STEP`) is decompressed in one call (zstd checks the real size against
+the declared one); any other in 1 MiB steps that stop as soon as the output passes the
+limit, so that a few hostile bytes declaring hundreds of MiB never get them allocated.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from inshrink_store.errors import FormatError
 #: zstd's largest expansion (a 3-byte RLE block header + 1 byte -> a 128 KiB block), rounded up
 MAX_EXPANSION = 43690
 STEP = 1 << 20
+#: a frame declaring more than this many times its own length is decoded in steps, not in
+#: one allocation of the declared size (real frames rarely compress 1000x: runs of zeros)
+ONE_SHOT_RATIO = 1024
 _local = threading.local()
 
 
@@ -57,12 +63,19 @@ def decompress(body: bytes | memoryview, limit: int, what: str) -> bytes:
         declared = zstandard.get_frame_parameters(body).content_size
     except zstandard.ZstdError as exc:
         raise FormatError(f"Expected {what} to be a zstd frame. Got {exc} instead.") from None
-    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+    known = declared != zstandard.CONTENTSIZE_UNKNOWN
+    if known and declared > limit:
         raise FormatError(
             f"Expected {what} to declare at most {limit} bytes of content. "
             f"Got {declared} instead (corrupt or hostile frame)."
         )
-    if declared != zstandard.CONTENTSIZE_UNKNOWN:
+    length = memoryview(body).nbytes
+    if known and declared > length * MAX_EXPANSION:
+        raise FormatError(
+            f"Expected {what} to declare at most {length * MAX_EXPANSION} bytes of content, what "
+            f"its {length} bytes can hold. Got {declared} instead (corrupt or hostile frame)."
+        )
+    if known and declared <= max(STEP, length * ONE_SHOT_RATIO):
         # the frame declares its size (every frame the store writes does) and it is within
         # the limit: one allocation of that size, and zstd fails a frame whose real content
         # differs from what it declares
@@ -87,4 +100,6 @@ def decompress(body: bytes | memoryview, limit: int, what: str) -> bytes:
                 parts.append(part)
     except zstandard.ZstdError as exc:
         raise FormatError(f"Expected {what} to be a valid zstd frame. Got {exc} instead.") from None
+    if known and total != declared:
+        raise FormatError(f"Expected {what} to decompress to the {declared} bytes it declares. Got {total} instead.")
     return b"".join(parts)

@@ -1,0 +1,87 @@
+"""Bounded zstd decompression: what a frame declares never sets what is allocated.
+
+A stored tree, object or plane is a zstd frame whose header may declare its content size.
+A few hostile bytes declaring hundreds of MiB must fail without that much memory being
+taken (found by the slow manifest fuzzer: a 70-byte root tree allocated 286 MB), while
+every real frame, however compressible, still decodes.
+"""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inshrink_store.codecs import _zstd
+from inshrink_store.errors import FormatError
+
+LIMIT = 1 << 30  # the trees' limit: a generous one is where a declared size mattered
+
+
+def _declaring(declared: int, content: bytes) -> bytes:
+    """A frame of ``content`` whose header declares ``declared`` bytes of content."""
+    frame = zstandard.ZstdCompressor(write_content_size=False, write_checksum=False).compress(content)
+    fhd = frame[4]
+    assert fhd & 0xE3 == 0  # no content size, not single-segment, no dictionary id
+    return frame[:4] + bytes([fhd | 0xC0]) + frame[5:6] + struct.pack("<Q", declared) + frame[6:]
+
+
+def _peak(call) -> tuple[BaseException | None, int]:
+    tracemalloc.start()
+    try:
+        call()
+        error = None
+    except FormatError as exc:
+        error = exc
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return error, peak
+
+
+def test_a_size_no_frame_of_that_length_can_hold_is_refused_before_any_allocation():
+    frame = _declaring(300 << 20, b"tree" * 10)
+    assert len(frame) * _zstd.MAX_EXPANSION < 300 << 20
+    error, peak = _peak(lambda: _zstd.decompress(frame, LIMIT, "root tree 1a2b"))
+    assert error is not None and "root tree 1a2b" in str(error) and "can hold" in str(error)
+    assert peak < 1 << 20
+
+
+def test_a_plausible_but_false_size_is_decoded_in_steps_and_fails_small():
+    """Random bytes stay about their own size in zstd; a header claiming 24 MiB of content
+    (well within what the frame could hold) is read step by step and refused."""
+    content = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    frame = _declaring(24 << 20, content)
+    assert len(frame) * _zstd.ONE_SHOT_RATIO < 24 << 20 < len(frame) * _zstd.MAX_EXPANSION
+    error, peak = _peak(lambda: _zstd.decompress(frame, LIMIT, "node tree 9f"))
+    assert error is not None and "node tree 9f" in str(error)
+    assert peak < 4 << 20  # not the 24 MiB declared
+
+
+def test_a_frame_of_zeros_compressed_beyond_the_one_shot_ratio_still_decodes():
+    content = bytes(12 << 20)
+    frame = zstandard.ZstdCompressor(level=1).compress(content)
+    assert len(frame) * _zstd.ONE_SHOT_RATIO < len(content)  # takes the stepped path
+    assert _zstd.decompress(frame, LIMIT, "chunk") == content
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 3 << 20), runs=st.integers(1, 64), seed=st.integers(0, 2**32 - 1),
+       level=st.sampled_from([1, 3]), sized=st.booleans())
+def test_any_real_frame_round_trips_within_its_limit(size, runs, seed, level, sized):
+    """From incompressible to runs of a few values (ratios either side of ONE_SHOT_RATIO),
+    with and without a declared size."""
+    rng = np.random.default_rng(seed)
+    content = np.repeat(rng.integers(0, 256, runs, dtype=np.uint8), -(-size // runs))[:size].tobytes()
+    if seed % 2:
+        content = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    frame = zstandard.ZstdCompressor(level=level, write_content_size=sized).compress(content)
+    assert _zstd.decompress(frame, max(size, 1), "plane") == content
+    if size:
+        with pytest.raises(FormatError, match="at most"):
+            _zstd.decompress(frame, size - 1, "plane")
