@@ -22,9 +22,9 @@ write nothing:
 - **inshrink store in use** (save): the same into a store whose 512 shard folders
   (``objects/<2 hex>/``, ``trees/<2 hex>/``) exist, as they do in any store past a few
   thousand objects (a run of this model after about ten checkpoints). A fresh store makes
-  one folder per new shard it writes into, ~80 in the first save of this model, and on this
-  machine's disk a ``mkdir`` costs ~0.75 ms (creating a file ~0.25-0.8 ms): that is what
-  separates the two rows, and only a store's first saves pay it.
+  one folder per new shard it writes into, ~80 in the first save of this model: that is
+  what separates the two rows, and only a store's first saves pay it. What this disk takes
+  to make a folder and to create a file is measured beside the table (``disk_costs``).
 - **ZipNN + write** (save): ZipNN's compression (as in the next row), each output written
   to one fresh file as it comes, then one fsync of the file and of its folder; load reads
   the file and decompresses. No index, names or checksums are stored: a lower bound for a

@@ -59,7 +59,9 @@ def _versions_for(logical: int, stored: int, residual: int, versions: int, targe
     """How many versions a run of this kind keeps before the state on disk, the residual
     included, is ``target`` times smaller than the uncompressed versions: the history costs
     ``stored / versions`` per version and the one residual a fixed ``residual``, so N
-    versions store ``N * logical / versions`` in ``N * stored / versions + residual``."""
+    versions store ``N * logical / versions`` in ``N * stored / versions + residual``
+    (each version at the run's average cost: the first, stored whole, is dearer, so below
+    the measured number of versions this is optimistic)."""
     per_logical, per_stored = logical / versions, stored / versions
     if per_logical <= target * per_stored:
         return "never"  # the history alone is under the target

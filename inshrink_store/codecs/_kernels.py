@@ -8,11 +8,14 @@ bfloat16 chunk those passes were over half of the encoding. Each loop here is on
 
 They compute exactly what the numpy code beside their callers computes (same planes,
 same counts, same packed bytes and escapes), so the stored bytes never depend on whether
-numba is installed; ``tests/test_kernels.py`` checks that, byte for byte, on the
-property-test strategies. numba stays optional (``pip install inshrink-store[fast]``):
-without it, or with ``INSHRINK_KERNELS=numpy`` in the environment, the numpy code runs.
-Compiled code is cached beside this file (or in numba's user cache), so only a process's
-first call to each loop pays for loading it.
+numba is installed; ``tests/test_codecs/test_kernels.py`` checks each loop against
+that code on random inputs, and whole chunks encoded both ways. numba stays optional
+(``pip install inshrink-store[fast]``): without it, with ``INSHRINK_KERNELS=numpy`` in the
+environment, with numba's ``NUMBA_DISABLE_JIT`` set (the loops would then run as plain
+Python, slowly and with numpy's uint8 arithmetic), or where a loop fails to compile, the
+numpy code runs. Every loop is compiled (or loaded from numba's cache, beside this file or
+in its user cache) when the loops are first asked for: the first process after an install
+pays ~1 s, later ones ~0.3 s, once.
 
 The loops release the GIL (``nogil``): the writer's encoder threads run them side by side.
 """
@@ -31,8 +34,8 @@ _log = logging.getLogger(__name__)
 #: ``INSHRINK_KERNELS=numpy`` turns the compiled loops off (A/B timings, a numba problem)
 ENV = "INSHRINK_KERNELS"
 #: inputs below this many bytes take the numpy code: a process that only ever codes small
-#: tensors (tests, the CLI on a toy model) never imports numba, whose import and first
-#: call cost ~0.6 s once per process (what a 4 MiB chunk's numpy passes cost 40 times over)
+#: tensors (tests, the CLI on a toy model) never imports numba, whose import and loading
+#: cost ~0.3 s once per process (what a 4 MiB chunk's numpy passes cost 20 times over)
 KERNEL_MIN = 1 << 16
 _loaded: SimpleNamespace | None = None
 _tried = False
@@ -40,7 +43,8 @@ _lock = threading.Lock()
 
 
 def active() -> SimpleNamespace | None:
-    """The compiled loops, or None when numba is missing, fails to import, or is turned off."""
+    """The compiled loops, or None when numba is missing, fails to import or to compile
+    them, or is turned off (here or by ``NUMBA_DISABLE_JIT``)."""
     global _loaded, _tried
     if os.environ.get(ENV, "").strip().lower() == "numpy":
         return None
@@ -51,7 +55,7 @@ def active() -> SimpleNamespace | None:
                     _loaded = _compile()
                 except Exception as exc:  # numba refuses some numpy versions at import
                     _log.info("numba unavailable (%s: %s); the lossless codec runs its numpy passes",
-                              type(exc).__name__, exc)
+                              type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                     _loaded = None
                 _tried = True
     return _loaded
@@ -75,8 +79,10 @@ def _jit(function: Any) -> Any:
 
 def _compile() -> SimpleNamespace:
     """The loops, jitted lazily (each compiles, or loads from the cache, on its first call)."""
-    import numba  # noqa: F401 - the ImportError (numba missing or refusing this numpy) is here
+    import numba  # the ImportError (numba missing or refusing this numpy) is here
 
+    if getattr(numba.config, "DISABLE_JIT", False):
+        raise ImportError("NUMBA_DISABLE_JIT is set: the loops would run as plain Python")
     jit = _jit
 
     @jit
@@ -140,7 +146,7 @@ def _compile() -> SimpleNamespace:
         for p in range(full):
             a = data[2 * p]
             b = data[2 * p + 1]
-            entry = pair_table[a | (b << 8)]
+            entry = pair_table[np.intp(a) | (np.intp(b) << 8)]
             if entry > 0xFF:  # rare: a value outside the table
                 if rank_of[a] == k:
                     escapes[found] = a
@@ -217,5 +223,22 @@ def _compile() -> SimpleNamespace:
             packed[whole] = last
         return (seen >> bits) == 0
 
-    return SimpleNamespace(histogram=histogram, planes2=planes2, planes4=planes4, pack_pairs=pack_pairs,
-                           pack_whole=pack_whole)
+    loops = SimpleNamespace(histogram=histogram, planes2=planes2, planes4=planes4, pack_pairs=pack_pairs,
+                            pack_whole=pack_whole)
+    _warm(loops)
+    return loops
+
+
+def _warm(loops: SimpleNamespace) -> None:
+    """Call every loop once on a few bytes of each array layout the codec passes, so each
+    compiles here, where a failure means "no loops", not a failed save."""
+    data = np.arange(64, dtype=np.uint8)
+    loops.histogram(data)
+    loops.histogram(data[::3])  # a plane's strided sample
+    loops.planes2(data.view(np.uint16), True, np.empty((2, 32), np.uint8))
+    loops.planes4(data.view(np.uint32), True, np.empty((4, 16), np.uint8))
+    rank_of = np.full(256, 3, np.uint8)
+    rank_of[:3] = np.arange(3, dtype=np.uint8)
+    pair_table = np.zeros(1 << 16, np.uint16)
+    loops.pack_pairs(data, pair_table, rank_of, 3, 2, np.empty(16, np.uint8), np.empty(64, np.uint8))
+    loops.pack_whole(data, rank_of, 4, 2, np.empty(16, np.uint8))

@@ -141,7 +141,7 @@ def byte_planes(data: np.ndarray, itemsize: int, rotate: bool) -> list[np.ndarra
     by ``8s - 1``, except the lowest, which takes the sign. With numba installed one compiled
     pass does it (:mod:`._kernels`)."""
     word = np.dtype(f"<u{itemsize}")
-    u = np.ascontiguousarray(data).view(word)
+    u = np.ascontiguousarray(data).reshape(-1).view(word)  # flat: the same planes for any shape
     planes = np.empty((itemsize, u.size), np.uint8)
     kernels = _kernels.for_bytes(u.nbytes)
     if kernels is not None and itemsize in (2, 4):  # one compiled pass (same planes)

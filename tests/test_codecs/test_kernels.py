@@ -168,28 +168,89 @@ def test_chunks_large_enough_for_the_loops_encode_to_the_numpy_bytes(kernels, dt
 
 
 @settings(max_examples=30, deadline=None)
-@given(sample=float_arrays())
-def test_small_arrays_encode_the_same_with_the_loops_on_or_off(kernels, sample):
+@given(sample=float_arrays(), extra=st.integers(0, 5000))
+def test_special_values_tiled_past_the_gate_encode_the_same_with_the_loops_on_or_off(kernels, sample, extra):
+    """The property strategy's arrays (NaN payloads, signed zeros, subnormals, infinities)
+    are small, so they are repeated into a chunk large enough for the loops."""
+    flat = np.ascontiguousarray(sample.array).reshape(-1)
+    if not flat.size:
+        return
+    tiled = np.resize(flat, MIN // flat.itemsize + extra)
+    assert tiled.nbytes >= MIN
     codec = bg.ByteGroup(sample.dtype, coder="zstd+huffman")
     with _env(None):
-        on = codec.encode(sample.array)
+        on = codec.encode(tiled)
     with _numpy():
-        assert codec.encode(sample.array) == on
+        assert codec.encode(tiled) == on
+    assert codec.decode(on).tobytes() == tiled.tobytes()
 
 
-def test_threads_running_the_loops_side_by_side_give_the_serial_bytes(kernels):
-    chunks = [np.ascontiguousarray(_large_weights("bfloat16", 1 << 19, seed, "normal")).view(np.uint8)
-              for seed in range(6)]
-    serial = [bg.encode_chunk(c, "bfloat16", 1, "zstd+huffman") for c in chunks]
-    with ThreadPoolExecutor(4) as pool:
-        parallel = list(pool.map(lambda c: bg.encode_chunk(c, "bfloat16", 1, "zstd+huffman"), chunks))
-    assert parallel == serial
+def test_a_full_table_broken_by_a_value_the_sample_missed_takes_the_numpy_ranks(kernels):
+    """A large plane of exactly 2**bits sampled values plus one the strided sample never
+    sees: the compiled full-table pass gives up and the numpy path widens, the bytes of the
+    element-by-element definition."""
+    rng = np.random.default_rng(21)
+    n = 4 * MIN
+    for bits in (1, 2, 4):
+        data = np.sort(rng.choice(200, 1 << bits, replace=False)).astype(np.uint8)[rng.integers(0, 1 << bits, n)]
+        stride = n // _planes.SAMPLE
+        data[stride * 7 + 1] = 250  # between two sampled bytes
+        hist = np.bincount(_planes.sample(data), minlength=256)
+        assert hist[250] == 0 and np.count_nonzero(hist) == 1 << bits
+        width, table, packed, escapes = _planes._packed(data, hist)
+        with _numpy():
+            want = _planes._packed(data, hist)
+        assert (width, table.tobytes(), packed.tobytes(), escapes.tobytes()) == (
+            want[0], want[1].tobytes(), want[2].tobytes(), want[3].tobytes())
+        assert 250 in escapes.tolist() or width > bits
+
+
+def test_threads_running_the_loops_side_by_side_give_the_numpy_bytes(kernels):
+    chunks = [np.ascontiguousarray(_large_weights(dtype, 1 << 19, seed, kind)).reshape(-1).view(np.uint8)
+              for seed, (dtype, kind) in enumerate([("bfloat16", "normal"), ("float32", "palette"),
+                                                     ("float16", "specials"), ("bfloat16", "palette"),
+                                                     ("float32", "normal"), ("float16", "normal")])]
+    dtypes_of = ["bfloat16", "float32", "float16", "bfloat16", "float32", "float16"]
+    with _numpy():
+        expected = [bg.encode_chunk(c, d, 1, "zstd+huffman") for c, d in zip(chunks, dtypes_of, strict=True)]
+    with _env(None), ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(lambda cd: bg.encode_chunk(cd[0], cd[1], 1, "zstd+huffman"),
+                                 zip(chunks, dtypes_of, strict=True)))
+    assert parallel == expected
 
 
 def test_the_environment_switch_turns_the_loops_off():
     with _numpy():
         assert _kernels.active() is None
         assert _kernels.for_bytes(1 << 30) is None
+
+
+def test_numbas_switch_to_plain_python_turns_the_loops_off(kernels, monkeypatch):
+    """With NUMBA_DISABLE_JIT numba hands back the Python functions, whose uint8 arithmetic
+    (numpy 2: a uint8 shifted left stays uint8) would pack wrong bytes: not used then."""
+    numba = pytest.importorskip("numba")
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", 1)
+    monkeypatch.setattr(_kernels, "_tried", False)
+    monkeypatch.setattr(_kernels, "_loaded", None)
+    with _env(None):
+        assert _kernels.active() is None
+
+
+def test_a_loop_that_fails_to_compile_means_no_loops_not_a_failed_save(kernels, monkeypatch):
+    """Every loop compiles when the loops are first asked for (a numba that imports but
+    cannot compile them falls back there, not in the middle of a save)."""
+    monkeypatch.setattr(_kernels, "_tried", False)
+    monkeypatch.setattr(_kernels, "_loaded", None)
+
+    def broken(loops):
+        raise TypeError("cannot determine Numba type of <class 'object'>")
+
+    monkeypatch.setattr(_kernels, "_warm", broken)
+    with _env(None):
+        assert _kernels.active() is None
+    data = np.ascontiguousarray(_large_weights("bfloat16", MIN, 5, "normal")).view(np.uint8)
+    encoded = bg.encode_chunk(data, "bfloat16", 1, "zstd+huffman")
+    assert bg.ByteGroup("bfloat16", coder="zstd+huffman").decode(encoded).tobytes() == data.tobytes()
 
 
 def test_inputs_below_the_gate_never_ask_for_the_loops(monkeypatch):
@@ -203,6 +264,10 @@ def test_inputs_below_the_gate_never_ask_for_the_loops(monkeypatch):
 
 def test_without_numba_the_codec_runs_its_numpy_passes_and_says_so_once(monkeypatch, caplog):
     monkeypatch.delenv(_kernels.ENV, raising=False)
+    compiled = None
+    if _kernels.active() is not None:
+        chunk = np.ascontiguousarray(_large_weights("float32", MIN, 3, "normal")).view(np.uint8)
+        compiled = bg.encode_chunk(chunk, "float32", 1, "zstd+huffman")
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba -> ImportError
     monkeypatch.setattr(_kernels, "_tried", False)
     monkeypatch.setattr(_kernels, "_loaded", None)
@@ -214,6 +279,8 @@ def test_without_numba_the_codec_runs_its_numpy_passes_and_says_so_once(monkeypa
     data = np.ascontiguousarray(_large_weights("float32", MIN, 3, "normal")).view(np.uint8)
     encoded = bg.encode_chunk(data, "float32", 1, "zstd+huffman")
     assert bg.ByteGroup("float32", coder="zstd+huffman").decode(encoded).tobytes() == data.tobytes()
+    if compiled is not None:
+        assert encoded == compiled  # what a machine with numba stores for the same chunk
 
 
 def test_a_process_coding_only_small_tensors_never_imports_numba(tmp_path):
