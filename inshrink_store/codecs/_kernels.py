@@ -235,8 +235,12 @@ def _warm(loops: SimpleNamespace) -> None:
     data = np.arange(64, dtype=np.uint8)
     loops.histogram(data)
     loops.histogram(data[::3])  # a plane's strided sample
-    loops.planes2(data.view(np.uint16), True, np.empty((2, 32), np.uint8))
-    loops.planes4(data.view(np.uint32), True, np.empty((4, 16), np.uint8))
+    frozen = data.copy()
+    frozen.flags.writeable = False  # a chunk read from a bytes payload (np.frombuffer) is read-only
+    for words in (data, frozen):
+        loops.planes2(words.view(np.uint16), True, np.empty((2, 32), np.uint8))
+        loops.planes4(words.view(np.uint32), True, np.empty((4, 16), np.uint8))
+        loops.histogram(words)
     rank_of = np.full(256, 3, np.uint8)
     rank_of[:3] = np.arange(3, dtype=np.uint8)
     pair_table = np.zeros(1 << 16, np.uint16)

@@ -53,6 +53,36 @@ def compress(data: Any, level: int) -> bytes:
     return compressor.compress(data)
 
 
+#: a zstd block header: 3 bytes, little-endian: last-block bit, 2-bit type, 21-bit size
+_BLOCK_RLE, _BLOCK_RESERVED = 1, 3
+_CHECKSUM_FLAG = 0x04  # in the frame header descriptor (byte 4): a 4-byte checksum ends the frame
+
+
+def _frame_length(body: bytes | memoryview, what: str) -> int:
+    """Bytes of the zstd frame at the start of ``body``, from its block headers (a raw or
+    compressed block holds its size in bytes, an RLE block one byte)."""
+    view = memoryview(body).cast("B")
+    try:
+        at = zstandard.frame_header_size(view)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"Expected {what} to be a zstd frame. Got {exc} instead.") from None
+    while True:
+        if at + 3 > len(view):
+            raise FormatError(f"Expected {what} to be a whole zstd frame. Got one cut short at byte {len(view)} instead.")
+        header = int.from_bytes(view[at:at + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        if kind == _BLOCK_RESERVED:
+            raise FormatError(f"Expected {what} to be a valid zstd frame. Got a reserved block type at byte {at} instead.")
+        at += 3 + (1 if kind == _BLOCK_RLE else size)
+        if header & 1:  # the last block
+            break
+    if view[4] & _CHECKSUM_FLAG:
+        at += 4
+    if at > len(view):
+        raise FormatError(f"Expected {what} to be a whole zstd frame. Got one cut short at byte {len(view)} instead.")
+    return at
+
+
 def decompress(body: bytes | memoryview, limit: int, what: str) -> bytes:
     """The content of the single zstd frame ``body``, at most ``limit`` bytes.
 
@@ -85,8 +115,10 @@ def decompress(body: bytes | memoryview, limit: int, what: str) -> bytes:
             raise FormatError(f"Expected {what} to be a valid zstd frame. Got {exc} instead.") from None
     parts: list[bytes] = []
     total = 0
+    # the first frame only (a reader would go on into whatever follows it), as in one call
+    frame = memoryview(body)[: _frame_length(body, what)]
     try:
-        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=False) as reader:
+        with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
             while True:
                 part = reader.read(min(STEP, limit - total + 1))
                 if not part:

@@ -219,6 +219,16 @@ def test_threads_running_the_loops_side_by_side_give_the_numpy_bytes(kernels):
     assert parallel == expected
 
 
+def test_a_read_only_chunk_compiles_nothing_new_in_the_middle_of_a_save(kernels):
+    """The object store hands the codec np.frombuffer views of bytes (read-only), for which
+    numba would compile another version of a loop: every layout is compiled at load."""
+    counts = {name: len(getattr(kernels, name).signatures) for name in vars(kernels)}
+    for dtype in ("float32", "bfloat16", "float16"):
+        chunk = np.ascontiguousarray(_large_weights(dtype, MIN, 9, "palette")).reshape(-1)
+        bg.encode_chunk(np.frombuffer(chunk.tobytes(), np.uint8), dtype, 1, "zstd+huffman")
+    assert {name: len(getattr(kernels, name).signatures) for name in vars(kernels)} == counts
+
+
 def test_the_environment_switch_turns_the_loops_off():
     with _numpy():
         assert _kernels.active() is None

@@ -85,3 +85,22 @@ def test_any_real_frame_round_trips_within_its_limit(size, runs, seed, level, si
     if size:
         with pytest.raises(FormatError, match="at most"):
             _zstd.decompress(frame, size - 1, "plane")
+
+
+@pytest.mark.parametrize("sized", [True, False])
+@pytest.mark.parametrize("after", [b"", b"garbage!", b"frame"])
+def test_bytes_after_the_first_frame_are_ignored_on_either_path(sized, after):
+    """A small frame is decoded in one call, a highly compressible one in steps: both read
+    the first frame only, whatever follows it (garbage, another frame)."""
+    if after == b"frame":
+        after = zstandard.ZstdCompressor().compress(b"another frame")
+    for content in (b"tree" * 100, bytes(12 << 20)):
+        frame = zstandard.ZstdCompressor(write_content_size=sized, write_checksum=True).compress(content)
+        assert _zstd.decompress(frame + after, LIMIT, "tree") == content
+
+
+def test_a_frame_cut_short_is_a_format_error_naming_it():
+    frame = zstandard.ZstdCompressor().compress(bytes(12 << 20))
+    for cut in (len(frame) - 1, len(frame) - 5, 20):
+        with pytest.raises(FormatError, match="chunk 7"):
+            _zstd.decompress(frame[:cut], LIMIT, "chunk 7")
