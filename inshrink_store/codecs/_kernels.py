@@ -5,6 +5,8 @@ Why: a lossless float chunk is split into byte planes, each plane's bytes are co
 each is several passes over the chunk with fresh temporaries, and ``np.bincount`` runs
 at about a byte per nanosecond (it widens every byte to a 64-bit index first); on a
 bfloat16 chunk those passes were over half of the encoding. Each loop here is one pass.
+Decoding is the same story backwards: ranks back to values (a packed byte at a time) and
+the planes joined into words with the sign rotated back, 2.4x faster on float32 chunks.
 
 They compute exactly what the numpy code beside their callers computes (same planes,
 same counts, same packed bytes and escapes), so the stored bytes never depend on whether
@@ -223,8 +225,62 @@ def _compile() -> SimpleNamespace:
             packed[whole] = last
         return (seen >> bits) == 0
 
+    @jit
+    def join2(p0: Any, p1: Any, rotate: bool, out: Any) -> None:  # pragma: no cover - compiled
+        # the inverse of planes2: words from their high and low planes, rotated back
+        if rotate:
+            for i in range(out.size):
+                r = (np.uint32(p0[i]) << 8) | np.uint32(p1[i])
+                out[i] = (r >> 1) | ((r & 1) << 15)
+        else:
+            for i in range(out.size):
+                out[i] = (np.uint32(p0[i]) << 8) | np.uint32(p1[i])
+
+    @jit
+    def join4(p0: Any, p1: Any, p2: Any, p3: Any, rotate: bool, out: Any) -> None:  # pragma: no cover
+        # the inverse of planes4
+        if rotate:
+            for i in range(out.size):
+                r = ((np.uint64(p0[i]) << 24) | (np.uint64(p1[i]) << 16) | (np.uint64(p2[i]) << 8)
+                     | np.uint64(p3[i]))
+                out[i] = (r >> 1) | ((r & 1) << 31)
+        else:
+            for i in range(out.size):
+                out[i] = ((np.uint64(p0[i]) << 24) | (np.uint64(p1[i]) << 16) | (np.uint64(p2[i]) << 8)
+                          | np.uint64(p3[i]))
+
+    @jit
+    def unpack_values(packed: Any, wide: Any, flagged: Any, bits: int, table: Any, k: int, escapes: Any,
+                      words: Any, out: Any) -> int:  # pragma: no cover - compiled
+        # the inverse of packing. Byte j of ``packed`` holds the ranks of elements j * per ..
+        # (first in the lowest bits); ``wide[b]`` is the word of their values for a byte b
+        # with no escape rank (``words`` views ``out`` a word per packed byte), and a
+        # ``flagged`` byte is decoded rank by rank: table[rank], or the next escape where the
+        # rank is k or more. Returns how many ranks were escapes; escapes are read only while
+        # there are some left (more escape ranks than escapes is the caller's error).
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        found = 0
+        left = escapes.size
+        n = out.size
+        whole = n // per
+        for j in range(whole + (1 if n % per else 0)):
+            byte = packed[j]
+            if j < whole and not flagged[byte]:
+                words[j] = wide[byte]
+                continue
+            for t in range(min(per, n - j * per)):
+                rank = (np.intp(byte) >> (t * bits)) & mask
+                if rank < k:
+                    out[j * per + t] = table[rank]
+                else:
+                    if found < left:
+                        out[j * per + t] = escapes[found]
+                    found += 1
+        return found
+
     loops = SimpleNamespace(histogram=histogram, planes2=planes2, planes4=planes4, pack_pairs=pack_pairs,
-                            pack_whole=pack_whole)
+                            pack_whole=pack_whole, join2=join2, join4=join4, unpack_values=unpack_values)
     _warm(loops)
     return loops
 
@@ -246,3 +302,19 @@ def _warm(loops: SimpleNamespace) -> None:
     pair_table = np.zeros(1 << 16, np.uint16)
     loops.pack_pairs(data, pair_table, rank_of, 3, 2, np.empty(16, np.uint8), np.empty(64, np.uint8))
     loops.pack_whole(data, rank_of, 4, 2, np.empty(16, np.uint8))
+    # decoding: every input is passed read-only (see read_only), the outputs are fresh
+    loops.join2(frozen, frozen, True, np.empty(64, np.uint16))
+    loops.join4(frozen, frozen, frozen, frozen, True, np.empty(64, np.uint32))
+    for bits, word in ((1, np.uint64), (2, np.uint32), (4, np.uint16)):
+        out = np.empty(64, np.uint8)
+        loops.unpack_values(frozen, read_only(np.zeros(256, word)), read_only(np.zeros(256, np.bool_)), bits,
+                            frozen[:16], 3, frozen, out.view(word), out)
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only, contiguous view of ``array``: what the decoding loops are compiled for
+    (numba compiles a version per writable/read-only mix of its arguments; decoded planes
+    come both ways, from zstd's output and from a frame's raw bytes)."""
+    view = np.ascontiguousarray(array).view()
+    view.flags.writeable = False
+    return view

@@ -431,6 +431,22 @@ def pack(data: np.ndarray, hist: np.ndarray, level: int) -> bytes:
     return join((head, table.tobytes(), p_body, e_body))
 
 
+def _byte_values(table: np.ndarray, k: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values, flagged) for the 256 packed bytes: the ``8 // bits`` values a byte's ranks
+    stand for (table[rank], first in the lowest byte of a word), and whether a rank in it
+    is ``k`` or more (an escape: that byte is decoded rank by rank)."""
+    per = 8 // bits
+    word = np.dtype(f"<u{per}")
+    byte = np.arange(256)
+    ranks = [(byte >> (t * bits)) & ((1 << bits) - 1) for t in range(per)]
+    values = np.zeros(256, word)
+    flagged = np.zeros(256, np.bool_)
+    for t, rank in enumerate(ranks):
+        values |= table[np.minimum(rank, 15)].astype(word) << word.type(8 * t)
+        flagged |= rank >= k
+    return _kernels.read_only(values), _kernels.read_only(flagged)
+
+
 def unpack(body: bytes | memoryview, size: int, what: str) -> np.ndarray:
     """Inverse of :func:`pack` for a plane of ``size`` bytes, every length checked first."""
     view = memoryview(body)
@@ -455,6 +471,16 @@ def unpack(body: bytes | memoryview, size: int, what: str) -> np.ndarray:
     table[:k] = np.frombuffer(view[PACKED_HEADER.size:start], np.uint8)
     packed = decode_stream(p_coder, view[start:start + p_len], packed_size, f"{what}'s packed stream")
     escapes = decode_stream(e_coder, view[start + p_len:], n_esc, f"{what}'s escapes")
+    kernels = _kernels.for_bytes(size)
+    if kernels is not None:  # one compiled pass: a byte's ranks to its values, escapes in place
+        wide, flagged = _byte_values(table, k, bits)
+        out = np.empty(-(-size // (8 // bits)) * (8 // bits), np.uint8)  # whole words: a view per byte
+        found = kernels.unpack_values(_kernels.read_only(packed), wide, flagged, bits, _kernels.read_only(table),
+                                      k, _kernels.read_only(escapes), out.view(wide.dtype), out[:size])
+        out = out[:size]
+        if found != n_esc:
+            raise FormatError(f"Expected {n_esc} escaped elements in {what}. Got {found} instead.")
+        return out
     ranks = unpack_ranks(packed, bits, size)
     escaped = ranks >= k
     if int(np.count_nonzero(escaped)) != n_esc:

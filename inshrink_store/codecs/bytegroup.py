@@ -430,9 +430,16 @@ def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | Non
             assert base_planes is not None  # FLAG_BASE matches the methods (parse)
             plane = np.bitwise_xor(plane, base_planes[i])
         planes.append(plane)
-    out = join_planes(planes, itemsize, np.empty(n * itemsize, np.uint8))
-    if flags & FLAG_SIGN_LAST:
-        out = sign_first(out, itemsize)
+    kernels = _kernels.for_bytes(n * itemsize)
+    if kernels is not None and itemsize in (2, 4):  # one compiled pass: join and rotate back
+        words = np.empty(n, f"<u{itemsize}")
+        (kernels.join2 if itemsize == 2 else kernels.join4)(
+            *(_kernels.read_only(p) for p in planes), bool(flags & FLAG_SIGN_LAST), words)
+        out = words.view(np.uint8)
+    else:
+        out = join_planes(planes, itemsize, np.empty(n * itemsize, np.uint8))
+        if flags & FLAG_SIGN_LAST:
+            out = sign_first(out, itemsize)
     if xxhash.xxh3_64_intdigest(_buffer(out)) != checksum:
         raise FormatError(
             f"Expected decoded data with xxh3-64 {checksum:016x}. Got "

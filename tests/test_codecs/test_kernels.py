@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from inshrink_store import dtypes
 from inshrink_store.codecs import _kernels, _planes
 from inshrink_store.codecs import bytegroup as bg
+from inshrink_store.errors import FormatError
 from inshrink_store.testing import float_arrays
 
 MIN = _kernels.KERNEL_MIN
@@ -139,6 +140,49 @@ def test_compiled_packing_of_a_full_table_is_ranking_then_packing(kernels, n, bi
         assert packed.tobytes() == _planes.pack_ranks(np.take(rank_of, data), bits).tobytes()
 
 
+@settings(max_examples=60, deadline=None)
+@given(itemsize=st.sampled_from([2, 4]), n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1),
+       rotate=st.booleans())
+def test_the_compiled_join_is_joining_the_planes_then_rotating_back(kernels, itemsize, n, seed, rotate):
+    rng = np.random.default_rng(seed)
+    planes = [rng.integers(0, 256, n).astype(np.uint8) for _ in range(itemsize)]
+    expected = bg.join_planes(planes, itemsize, np.empty(n * itemsize, np.uint8))
+    if rotate:
+        expected = bg.sign_first(expected, itemsize)
+    words = np.empty(n, f"<u{itemsize}")
+    (kernels.join2 if itemsize == 2 else kernels.join4)(*map(_kernels.read_only, planes), rotate, words)
+    assert words.view(np.uint8).tobytes() == expected.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(MIN, MIN + 5000), bits=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1),
+       strays=st.integers(0, 30), last=st.booleans())
+def test_compiled_unpacking_gives_the_numpy_plane_and_checks_the_escapes(kernels, n, bits, seed, strays, last):
+    """Packed planes of every width and length with escapes anywhere (the last element
+    too), decoded both ways; a header claiming one escape fewer fails both ways alike."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, (1 << bits) - (1 if strays or last else 0), n).astype(np.uint8)
+    data[rng.integers(0, n, strays)] = 200
+    if last:
+        data[-1] = 201
+    body = _planes.pack(data, np.bincount(data[::7], minlength=256), 1)
+    with _env(None):
+        compiled = _planes.unpack(body, n, "plane 0")
+    with _numpy():
+        plain = _planes.unpack(body, n, "plane 0")
+    assert compiled.tobytes() == plain.tobytes() == data.tobytes()
+    fields = list(_planes.PACKED_HEADER.unpack_from(body))
+    if fields[5]:  # escapes: claim one fewer
+        fields[5] -= 1
+        forged = _planes.PACKED_HEADER.pack(*fields) + body[_planes.PACKED_HEADER.size:]
+        errors = []
+        for env in (None, "numpy"):
+            with _env(env), pytest.raises(FormatError) as caught:
+                _planes.unpack(forged, n, "plane 0")
+            errors.append(str(caught.value))
+        assert errors[0] == errors[1]
+
+
 def _large_weights(dtype: str, n: int, seed: int, kind: str) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if kind == "normal":
@@ -164,7 +208,13 @@ def test_chunks_large_enough_for_the_loops_encode_to_the_numpy_bytes(kernels, dt
         compiled = bg.encode_keyframe_and_delta(data, dtype, level, "zstd+huffman", base)
     with _numpy():
         assert bg.encode_keyframe_and_delta(data, dtype, level, "zstd+huffman", base) == compiled
-    assert bg.ByteGroup(dtype, coder="zstd+huffman").decode(compiled[0]).tobytes() == data.tobytes()
+    codec = bg.ByteGroup(dtype, coder="zstd+huffman")
+    for encoded in (e for e in compiled if e is not None):
+        with _env(None):
+            decoded = codec.decode(encoded, base=base) if encoded is compiled[1] else codec.decode(encoded)
+        with _numpy():
+            plain = codec.decode(encoded, base=base) if encoded is compiled[1] else codec.decode(encoded)
+        assert decoded.tobytes() == plain.tobytes() == data.tobytes()
 
 
 @settings(max_examples=30, deadline=None)
@@ -224,8 +274,11 @@ def test_a_read_only_chunk_compiles_nothing_new_in_the_middle_of_a_save(kernels)
     numba would compile another version of a loop: every layout is compiled at load."""
     counts = {name: len(getattr(kernels, name).signatures) for name in vars(kernels)}
     for dtype in ("float32", "bfloat16", "float16"):
-        chunk = np.ascontiguousarray(_large_weights(dtype, MIN, 9, "palette")).reshape(-1)
-        bg.encode_chunk(np.frombuffer(chunk.tobytes(), np.uint8), dtype, 1, "zstd+huffman")
+        for kind in ("palette", "normal", "specials"):
+            chunk = np.ascontiguousarray(_large_weights(dtype, MIN, 9, kind)).reshape(-1)
+            encoded = bg.encode_chunk(np.frombuffer(chunk.tobytes(), np.uint8), dtype, 1, "zstd+huffman")
+            decoded = bg.ByteGroup(dtype, coder="zstd+huffman").decode(encoded)  # decoding too
+            assert decoded.tobytes() == chunk.tobytes()
     assert {name: len(getattr(kernels, name).signatures) for name in vars(kernels)} == counts
 
 
