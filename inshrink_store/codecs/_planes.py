@@ -442,7 +442,7 @@ def _byte_values(table: np.ndarray, k: int, bits: int) -> tuple[np.ndarray, np.n
     values = np.zeros(256, word)
     flagged = np.zeros(256, np.bool_)
     for t, rank in enumerate(ranks):
-        values |= table[np.minimum(rank, 15)].astype(word) << word.type(8 * t)
+        values |= table[rank].astype(word) << word.type(8 * t)  # rank < 16 = table.size
         flagged |= rank >= k
     return _kernels.read_only(values), _kernels.read_only(flagged)
 
