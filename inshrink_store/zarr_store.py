@@ -12,6 +12,7 @@ with the reader and the writer, so its trees are read once per process.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import json
 import posixpath
@@ -151,6 +152,77 @@ def compact_json(text: bytes) -> bytes:
         return text
 
 
+class SortedEntries(dict[str, Entry]):
+    """A key -> :class:`Entry` dict that also keeps its keys sorted, so every key under a
+    prefix is found by bisection.
+
+    Why: each array written into a version that inherits its parent's keys first drops
+    whatever the parent held under the array's path; scanning every key for that made a
+    save of N tensors cost N x (keys) string tests, quadratic in the tensor count (a
+    state dict of thousands of tensors spent seconds there). Every way a dict changes
+    goes through the overrides below, so the order cannot go stale, whoever writes."""
+
+    def __init__(self, items: Mapping[str, Entry] | None = None) -> None:
+        super().__init__(items or {})
+        self._order = sorted(super().keys())
+
+    def __reduce__(self) -> Any:
+        return (SortedEntries, (dict(self),))
+
+    def __setitem__(self, key: str, value: Entry) -> None:
+        if key not in self:
+            bisect.insort(self._order, key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        del self._order[bisect.bisect_left(self._order, key)]
+
+    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+        if key in self:
+            value = super().__getitem__(key)
+            del self[key]
+            return value
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[str, Entry]:
+        key, value = super().popitem()
+        del self._order[bisect.bisect_left(self._order, key)]
+        return key, value
+
+    def setdefault(self, key: str, default: Entry | None = None) -> Entry:  # type: ignore[override]
+        if key not in self:
+            assert default is not None
+            self[key] = default
+        return super().__getitem__(key)
+
+    def update(self, *others: Any, **kwargs: Entry) -> None:
+        for key, value in dict(*others, **kwargs).items():
+            self[key] = value
+
+    def clear(self) -> None:
+        super().clear()
+        self._order.clear()
+
+    def __ior__(self, other: Any) -> SortedEntries:  # type: ignore[override, misc]
+        self.update(other)
+        return self
+
+    def sorted_keys(self) -> list[str]:
+        """Every key, sorted (a copy)."""
+        return list(self._order)
+
+    def delete_under(self, prefix: str) -> None:
+        """Remove every key that starts with ``prefix``."""
+        start = bisect.bisect_left(self._order, prefix)
+        end = start
+        while end < len(self._order) and self._order[end].startswith(prefix):
+            end += 1
+        for key in self._order[start:end]:
+            super().__delitem__(key)
+        del self._order[start:end]
+
+
 class PendingChunks:
     """A writable view that starts as a copy of its parent's entries (or empty)."""
 
@@ -161,7 +233,7 @@ class PendingChunks:
     ) -> None:
         self.objects = objects
         self.parent = parent
-        self.entries: dict[str, Entry] = dict(parent.entries) if parent and inherit else {}
+        self.entries = SortedEntries(parent.entries if parent and inherit else None)
         self._parent_entries: Mapping[str, Entry] = parent.entries if parent else {}
         self.new_stored_bytes = 0
         # the writer stores several tensors at once: changes and listings take turns
@@ -187,7 +259,7 @@ class PendingChunks:
 
     def keys(self) -> list[str]:
         with self._lock:
-            return sorted(self.entries)
+            return self.entries.sorted_keys()
 
     def has(self, key: str) -> bool:
         return key in self.entries
@@ -220,8 +292,7 @@ class PendingChunks:
     def delete_prefix(self, prefix: str) -> None:
         """Remove every key under ``prefix`` (an array being written anew)."""
         with self._lock:
-            for key in [k for k in self.entries if k.startswith(prefix)]:
-                del self.entries[key]
+            self.entries.delete_under(prefix)
 
     def delete(self, key: str) -> None:
         with self._lock:
