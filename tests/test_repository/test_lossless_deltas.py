@@ -61,7 +61,7 @@ def test_a_drifting_tensor_is_stored_as_xor_deltas_and_reads_back_exactly() -> N
 
 def test_chains_stop_at_the_keyframe_interval() -> None:
     repo = ins.open(_url(), create=True, keyframe_interval=3)
-    states = _training_like(7, shape=(50, 40))
+    states = _training_like(7, shape=(100, 50))  # 20 KB: above the size that is always whole
     infos = [repo.save({"model/w": w}) for w in states]
     depths = [_objects(repo, i.id, "model/w")[0].depth for i in infos]
     assert depths == [0, 1, 2, 0, 1, 2, 0]
@@ -98,7 +98,7 @@ def test_gc_keeps_the_bases_of_kept_versions() -> None:
 
 def test_a_damaged_base_is_an_error_naming_the_chain() -> None:
     repo = ins.open(_url(), create=True)
-    states = _training_like(2, shape=(40, 40))
+    states = _training_like(2, shape=(80, 60))  # above the size that is always whole
     first, second = (repo.save({"model/w": w}) for w in states)
     base = next(iter(repo.checkout(first.id).arrays()["model/w"].chunk_ids.values()))
     storage = Storage(repo.url)
@@ -126,7 +126,9 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
     payload[rng.integers(0, payload.size, flips)] ^= rng.integers(1, 256, flips, dtype=np.uint8)
     objects = cas.ObjectStore(Storage(_url()))
     base_id = objects.put(base.tobytes(), element=element).oid
-    put = objects.put(payload.tobytes(), base=base_id, element=element)
+    with pytest.MonkeyPatch.context() as patch:  # small payloads are tried as deltas too here
+        patch.setattr(cas, "FLOAT_DELTA_MIN", 0)
+        put = objects.put(payload.tobytes(), base=base_id, element=element)
     fresh = cas.ObjectStore(objects.storage)  # no cache: decoded from what is stored
     assert fresh.get(put.oid) == payload.tobytes()
     assert fresh.get(base_id) == base.tobytes()
@@ -134,6 +136,27 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
     assert header.coder == (cas.CODER_BYTEGROUP if payload.size else cas.CODER_NONE)
     if header.is_delta:
         assert header.base == base_id
+
+
+def test_small_chunks_are_stored_whole_without_reading_their_base() -> None:
+    """Under FLOAT_DELTA_MIN a chunk is a keyframe, and the parent's object is not read (the
+    attempt cost two reads and a decode per small tensor, and never paid); at the size it
+    is tried again."""
+    below = cas.FLOAT_DELTA_MIN // 4 - 1
+    for n, expect_delta in ((below, False), (cas.FLOAT_DELTA_MIN // 4, True)):
+        w = _training_like(2, shape=(n,))
+        objects = cas.ObjectStore(Storage(_url()))
+        base_id = objects.put(w[0].tobytes(), element="float32").oid
+        reads: list[str] = []
+        storage = objects.storage
+        original = (storage.read, storage.read_range)
+        storage.read = lambda path, _r=original[0], _s=reads: _s.append(path) or _r(path)  # type: ignore[method-assign]
+        storage.read_range = (  # type: ignore[method-assign]
+            lambda path, start, end, _r=original[1], _s=reads: _s.append(path) or _r(path, start, end))
+        put = objects.put(w[1].tobytes(), base=base_id, element="float32")
+        header = cas.ObjectStore(storage).header(put.oid)
+        assert header.is_delta is expect_delta
+        assert (object_path(base_id) in reads) is expect_delta
 
 
 def test_a_payload_that_is_not_whole_elements_is_refused() -> None:
