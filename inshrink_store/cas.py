@@ -11,7 +11,8 @@ whole or as a delta. The stored form starts with a fixed header::
                         escaped above 16; see ``codecs/_nibbles``; written when smaller),
                         3 = an ``inshrink.bytegroup`` chunk (format 2) of the payload's
                         float elements; in a delta, planes may be XORed with the base's
-                        payload (raw float bits of the parent version's chunk)
+                        payload (raw float bits of the parent version's chunk); raw
+                        floats that code no smaller are stored whole with coder 0
     6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
     8   8  logical length
     16 16  base id      raw 16 bytes of the base's id, zeros when whole
@@ -70,6 +71,9 @@ ZSTD_LEVEL = 1
 #: zstd level of coder 3's planes (level 1: smaller and faster than 3 on trained weights,
 #: benchmarks/bench_bytegroup.py)
 LOSSLESS_LEVEL = 1
+#: raw float payloads of at most this many bytes are stored as they are (coder 0), not coded:
+#: sixteen float32 values code to more than their own bytes
+RAW_FLOATS_MAX = 64
 #: raw float chunks smaller than this are always stored whole, never tried against the parent's
 #: chunk. Why: trying costs two reads of the base object, decoding it and a second coding pass
 #: (about 0.2 ms per chunk here, 10-15 % of a save of thousands of small tensors), and on
@@ -288,7 +292,8 @@ class ObjectStore:
             np.frombuffer(payload, np.uint8), element, LOSSLESS_LEVEL, "zstd+huffman",
             base=np.frombuffer(base_payload, np.uint8))
         if delta is None or not worth_delta(len(delta), len(keyframe)):
-            return _frame(KIND_WHOLE, CODER_BYTEGROUP, 0, payload, None, keyframe)
+            coder, body = _float_keyframe(payload, keyframe)
+            return _frame(KIND_WHOLE, coder, 0, payload, None, body)
         return _frame(KIND_DELTA, CODER_BYTEGROUP, depth + 1, payload, base, delta)
 
     def _float_base(self, payload: memoryview, base: str | None) -> tuple[bytes | None, int]:
@@ -424,10 +429,10 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
     ratio estimate calls this too, so it measures what is stored."""
     if element is not None:
         _check_floats(payload, element)
-        if not len(payload):
-            return CODER_NONE, b""
-        return CODER_BYTEGROUP, bytegroup.encode_chunk(np.frombuffer(payload, np.uint8), element,
-                                                       LOSSLESS_LEVEL, "zstd+huffman")
+        if len(payload) <= RAW_FLOATS_MAX:
+            return CODER_NONE, bytes(payload)
+        return _float_keyframe(payload, bytegroup.encode_chunk(np.frombuffer(payload, np.uint8), element,
+                                                               LOSSLESS_LEVEL, "zstd+huffman"))
     if not is_quantized_payload(payload):
         return CODER_NONE, bytes(payload)
     body = _zstd.compress(payload, ZSTD_LEVEL)
@@ -436,6 +441,15 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
         if len(packed) < len(body):
             return CODER_PACKED_ZSTD, packed
     return CODER_ZSTD, body
+
+
+def _float_keyframe(payload: bytes | memoryview, coded: bytes) -> tuple[int, bytes]:
+    """(coder, body) of raw floats stored whole: their bytegroup coding, or the raw bits
+    (coder 0) where the coding is no smaller (a few elements: its plane headers outweigh
+    what coding saves; a 4-byte step counter took 72 bytes coded)."""
+    if len(coded) >= len(payload):
+        return CODER_NONE, bytes(payload)
+    return CODER_BYTEGROUP, coded
 
 
 def _check_floats(payload: bytes | memoryview, element: str) -> None:

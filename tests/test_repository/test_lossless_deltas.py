@@ -133,7 +133,12 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
     assert fresh.get(put.oid) == payload.tobytes()
     assert fresh.get(base_id) == base.tobytes()
     header = fresh.header(put.oid)
-    assert header.coder == (cas.CODER_BYTEGROUP if payload.size else cas.CODER_NONE)
+    # coded, or raw where coding would not make it smaller (never larger than raw, bar the header)
+    assert header.coder in (cas.CODER_BYTEGROUP, cas.CODER_NONE)
+    if not header.is_delta:
+        assert fresh.stored_size(put.oid) <= cas.HEADER_SIZE + payload.size
+        assert (header.coder == cas.CODER_NONE) == (payload.size <= cas.RAW_FLOATS_MAX or fresh.stored_size(
+            put.oid) == cas.HEADER_SIZE + payload.size)
     if header.is_delta:
         assert header.base == base_id
 
