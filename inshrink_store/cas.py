@@ -324,7 +324,7 @@ class ObjectStore:
         """Bytes ``oid`` takes on storage (no read); NotFoundError when it is missing."""
         path = object_path(oid)
         try:
-            return int(self.storage.fs.size(self.storage._full(path)))
+            return self.storage.size(path)
         except FileNotFoundError:
             raise NotFoundError(
                 f"Expected object {oid} at {path}. Got nothing there instead: "
