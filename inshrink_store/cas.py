@@ -291,8 +291,8 @@ class ObjectStore:
         keyframe, delta = bytegroup.encode_keyframe_and_delta(
             np.frombuffer(payload, np.uint8), element, LOSSLESS_LEVEL, "zstd+huffman",
             base=np.frombuffer(base_payload, np.uint8))
-        if delta is None or not worth_delta(len(delta), len(keyframe)):
-            coder, body = _float_keyframe(payload, keyframe)
+        coder, body = _float_keyframe(payload, keyframe)  # the delta must beat what a keyframe stores
+        if delta is None or not worth_delta(len(delta), len(body)):
             return _frame(KIND_WHOLE, coder, 0, payload, None, body)
         return _frame(KIND_DELTA, CODER_BYTEGROUP, depth + 1, payload, base, delta)
 

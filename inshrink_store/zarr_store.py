@@ -190,14 +190,19 @@ class SortedEntries(dict[str, Entry]):
         del self._order[bisect.bisect_left(self._order, key)]
         return key, value
 
-    def setdefault(self, key: str, default: Entry | None = None) -> Entry:  # type: ignore[override]
+    def setdefault(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         if key not in self:
-            assert default is not None
             self[key] = default
         return super().__getitem__(key)
 
     def update(self, *others: Any, **kwargs: Entry) -> None:
-        for key, value in dict(*others, **kwargs).items():
+        items = dict(*others, **kwargs)
+        fresh = sum(1 for key in items if key not in self)
+        if fresh > 16 and fresh * 8 > len(self):  # many new keys: one sort, not an insort each
+            super().update(items)
+            self._order = sorted(super().keys())
+            return
+        for key, value in items.items():
             self[key] = value
 
     def clear(self) -> None:

@@ -15,7 +15,8 @@ from inshrink_store.zarr_store import PendingChunks, SortedEntries
 
 KEYS = st.text(alphabet="ab/c0", min_size=1, max_size=6)
 OPS = st.lists(st.tuples(st.sampled_from(["set", "del", "pop", "setdefault", "update", "under", "popitem",
-                                          "clear", "ior"]), KEYS), max_size=40)
+                                          "clear", "ior", "bulk",
+                                          "setdefault_none"]), KEYS), max_size=40)
 
 
 def _apply(target: dict[str, Entry], op: str, key: str, sorted_target: bool) -> None:
@@ -30,8 +31,12 @@ def _apply(target: dict[str, Entry], op: str, key: str, sorted_target: bool) -> 
         target.setdefault(key, entry)
     elif op == "update":
         target.update({key: entry, key + "/x": entry})
+    elif op == "bulk":  # many new keys at once: the one-sort path
+        target.update({f"{key}/{i:02d}": entry for i in range(40)})
     elif op == "ior":
         target |= {key + "0": entry}
+    elif op == "setdefault_none":
+        target.setdefault(key)
     elif op == "popitem" and target:
         target.popitem()
     elif op == "clear" and len(key) == 1:

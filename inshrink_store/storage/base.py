@@ -111,9 +111,12 @@ class Storage:
         return self._call("read", path, lambda: self.fs.cat_file(self._full(path), start=start, end=end))
 
     def size(self, path: str) -> int:
+        """Bytes of the file ``path``; FileNotFoundError if absent (callers ask about files only)."""
         return int(self._call("stat", path, lambda: self.fs.size(self._full(path))))
 
     def exists(self, path: str) -> bool:
+        """Whether the file ``path`` exists. Callers ask about files only: what a folder
+        answers differs between backends (the memory backend says False)."""
         return bool(self._call("check", path, lambda: self.fs.exists(self._full(path))))
 
     def exists_durably(self, path: str) -> bool:

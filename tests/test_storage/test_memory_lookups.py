@@ -44,3 +44,12 @@ def test_two_stores_in_memory_do_not_see_each_others_files() -> None:
     a, b = Storage(f"memory://a-{uuid.uuid4().hex}"), Storage(f"memory://b-{uuid.uuid4().hex}")
     a.write("inshrink.json", b"{}")
     assert a.exists("inshrink.json") and not b.exists("inshrink.json")
+
+
+@pytest.mark.parametrize("root", ["memory://nested-{}/deeper/store", "memory://trailing-{}/", "memory:///slash-{}"])
+def test_lookups_agree_with_reads_whatever_the_root(root: str) -> None:
+    storage = Storage(root.format(uuid.uuid4().hex))
+    storage.write("trees/ab/cd", b"xyz")
+    assert storage.exists("trees/ab/cd") and storage.read("trees/ab/cd") == b"xyz"
+    assert storage.size("trees/ab/cd") == 3
+    assert not storage.exists("trees/ab") and not storage.exists("trees/ab/c")  # files only
