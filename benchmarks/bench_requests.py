@@ -243,9 +243,10 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "A read fetches the settings, the branch's ref (a listing and the newest ref file), "
-        "the snapshot, the root tree, the node trees on the tensor's path and its chunk "
+        "the snapshot, the root tree, the node trees on the tensor's path (none for a node of "
+        "up to 4 chunks: the root holds it inline) and its chunk "
         "object, however many tensors the snapshot holds. A save from a cold cache reads "
-        "every node tree of its parent once (one GET per tensor); right after the same "
+        "every node tree of its parent once (one GET per tensor not held inline); right after the same "
         "process saved that parent it reads none (a commit keeps the trees it wrote). Each "
         "new object and tree is checked absent (a one-byte ranged GET) before it is "
         "written; a tree or chunk the parent already names is not. `verify` and `gc` read "

@@ -2,8 +2,8 @@
 
 Measures save and load wall time and stored bytes side by side, and the bytes a second
 save of the same state adds (dedup); then what a state of thousands of small tensors costs
-per tensor (every tensor is at least one object and one tree: a fixed cost that a single
-file does not pay). Run through ``python benchmarks/run.py``.
+per tensor (every tensor is at least one object: a fixed cost that a single file does not
+pay). Run through ``python benchmarks/run.py``.
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def markdown(result: dict[str, object]) -> str:
                   f"fsynced file {many['torch']:.3f} s; the store's first save {many['first']:.2f} s "
                   f"({many['first'] / n * 1e3:.2f} ms per tensor), a second version of changed values "
                   f"{many['second']:.2f} s ({many['second'] / n * 1e3:.2f} ms per tensor), load "
-                  f"{many['load']:.2f} s. Each tensor is one chunk object and one tree, each a fsynced "
-                  "file: on a model whose tensors are few and large this is noise, on thousands of "
-                  "tiny ones it is most of the save."]
+                  f"{many['load']:.2f} s. Each tensor is at least one chunk object, a fsynced "
+                  "file (its node lives in the root tree): on a model whose tensors are few and large "
+                  "this is noise, on thousands of tiny ones it is most of the save."]
     return "\n".join(lines)
 
 

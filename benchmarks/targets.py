@@ -63,7 +63,7 @@ def _against_zipnn(floats: dict[str, Any]) -> list[str]:
         codec1, zipnn1 = rows["the store's codec alone 1"], rows["ZipNN 1"]
         ratio = zipnn[1] / store[1]  # ours over theirs: stored bytes inverted
         save_met = "yes" if store[0] <= zipnn[0] else (
-            "no: the save writes one fsynced file per object (chunks, one tree per tensor, the root "
+            "no: the save writes one fsynced file per object (chunks, a tree per tensor of over 4 chunks, the root "
             f"tree, snapshot, ref and lease){_disk_note(floats)}; "
             + ("the codec alone is faster than ZipNN" if codec[0] <= zipnn[0] else "and the codec alone is slower than ZipNN"))
         plain, plain1 = rows.get("the store's codec alone numpy"), rows.get("the store's codec alone numpy 1")

@@ -319,11 +319,18 @@ class SnapshotIndex:
         return dict(self._once("nodes", self._read_nodes))
 
     def _read_nodes(self) -> dict[str, tuple[str, NodeTree]]:
-        items = sorted(self.root.nodes.items())
+        """Every node: the trees stored as files, read in parallel, and the ones the root
+        holds inline (named by their :attr:`~NodeTree.inline_id`)."""
+        root = self.root
+        items = sorted(root.nodes.items())
         ids = sorted({tid for _path, tid in items})  # equal nodes (empty groups) share a tree
-        with ThreadPoolExecutor(_PARALLEL_READS) as pool:
-            trees = dict(zip(ids, pool.map(self._tree, ids), strict=True))
-        return {path: (tid, trees[tid]) for path, tid in items}
+        trees: dict[str, NodeTree] = {}
+        if ids:
+            with ThreadPoolExecutor(_PARALLEL_READS) as pool:
+                trees = dict(zip(ids, pool.map(self._tree, ids), strict=True))
+        found = {path: (tid, trees[tid]) for path, tid in items}
+        found.update({path: (tree.inline_id, tree) for path, tree in root.inline.items()})
+        return dict(sorted(found.items()))
 
     def _tree(self, tid: str) -> NodeTree:
         """Node tree ``tid``, read at most once however many threads ask (one gate per tree,
@@ -368,6 +375,9 @@ class SnapshotIndex:
 
         Reads that one tree (not all of them): opening one tensor of a large snapshot on an
         object store costs a request for its tree, not one per tensor."""
+        inline = self.root.inline.get(path)
+        if inline is not None:
+            return inline.inline_id, inline
         tid = self.root.nodes.get(path)
         if tid is None:
             return None
@@ -385,7 +395,7 @@ class SnapshotIndex:
         # the key's node is the longest of its parent paths that is a node
         for cut in range(len(parts) - 1, -1, -1):
             path = "/".join(parts[:cut])
-            if path not in self.root.nodes:
+            if not self.root.has_node(path):
                 continue
             found = self.node(path)
             assert found is not None

@@ -228,8 +228,12 @@ class WriteSession:
             parent_arrays = residual_module.load(self._parts.storage, ref.id)
         except InshrinkError:
             return  # collected or unreadable: those tensors are simply not exact here
-        ours = self.view.build_trees()[0].nodes
-        theirs = {path: tid for path, (tid, _tree) in self.parent_view.node_trees().items()}
+        # compared by what each node holds (NodeTree.inline_id), not by how it is stored: a
+        # parent written before inline nodes keeps tree files for nodes this version inlines
+        root, trees = self.view.build_trees()
+        ours = {path: trees[tid].inline_id for path, tid in root.nodes.items()}
+        ours.update({path: tree.inline_id for path, tree in root.inline.items()})
+        theirs = {path: tree.inline_id for path, (_tid, tree) in self.parent_view.node_trees().items()}
         for path, array in parent_arrays.items():
             if path not in self.residual.arrays and path in ours and ours[path] == theirs.get(path):
                 self.residual.arrays[path] = array

@@ -29,6 +29,7 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
+from inshrink_store import manifest
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import IntegrityError, NotFoundError
 from inshrink_store.index import (  # noqa: F401 - load_root, load_node, tree_path re-exported
@@ -334,7 +335,8 @@ class PendingChunks:
             self.entries.clear()
 
     def build_trees(self) -> tuple[RootTree, dict[str, NodeTree]]:
-        """Group keys by node; returns the root tree and node trees keyed by tree id."""
+        """Group keys by node; returns the root tree (holding the small nodes inline) and the
+        node trees to store as files, keyed by tree id."""
         nodes = {""} | {
             posixpath.dirname(k) for k, e in self.entries.items()
             if posixpath.basename(k) == METADATA_KEY
@@ -346,6 +348,8 @@ class PendingChunks:
             grouped[node][rel] = entry
         trees: dict[str, NodeTree] = {}
         root_nodes: dict[str, str] = {}
+        inline_nodes: dict[str, NodeTree] = {}
+        inline_bytes = 0
         for node, items in sorted(grouped.items()):
             meta = items.pop(METADATA_KEY, None)
             inline = meta.inline.decode() if meta is not None and meta.inline is not None else None
@@ -355,9 +359,14 @@ class PendingChunks:
             if node and inline is None and not chunks:
                 continue
             tree = NodeTree(metadata=inline, chunks=chunks)
+            size = len(inline or "") + 64 * len(chunks)  # what it adds to the root, about
+            if tree.inlinable and inline_bytes + size <= manifest.INLINE_MAX_ROOT_BYTES:
+                inline_nodes[node] = tree  # kept in the root tree: no file of its own (NodeTree.inlinable)
+                inline_bytes += size
+                continue
             trees[tree.id] = tree
             root_nodes[node] = tree.id
-        return RootTree(nodes=root_nodes), trees
+        return RootTree(nodes=root_nodes, inline=inline_nodes), trees
 
 
 def _as_bytes(value: Buffer) -> bytes:

@@ -171,3 +171,12 @@ def gcs_url(gcs_server: str) -> str:
 def store_url(request: pytest.FixtureRequest) -> str:
     """One store per backend: the same test runs on memory, local, S3 and GCS."""
     return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+@pytest.fixture
+def tree_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node tree written as a file of its own (none kept inline in the root tree), for
+    tests about node tree files themselves: request it before the fixture that saves."""
+    from inshrink_store import manifest
+
+    monkeypatch.setattr(manifest, "INLINE_MAX_CHUNKS", -1)

@@ -19,6 +19,7 @@ def test_node_trees_hold_compact_zarr_json_that_reads_back(memory_url: str) -> N
     objects = ObjectStore(repo._storage)
     root = load_root(objects, info.root)
     texts = [load_node(objects, tid).metadata for tid in root.nodes.values()]
+    texts += [tree.metadata for tree in root.inline.values()]  # small nodes live in the root
     assert texts and all(t is not None and "\n" not in t and ": " not in t for t in texts)
     for t in texts:
         assert json.loads(t)["zarr_format"] == 3

@@ -6,8 +6,9 @@ the body-only checksum), ``store-objects-v2`` by the release before packed level
 coder 2), ``store-objects-v3`` by the release before compressed trees (a keyframe with packed
 ids), ``store-objects-v4`` by the release before object coder 3 (trees stored as zstd
 frames; lossless floats as ``inshrink.bytegroup`` zarr chunks), ``store-objects-v5`` by the
-current one (lossless floats as raw bits in zarr, bytegroup-coded objects, XOR deltas
-against the parent's chunk); all by
+release before inline nodes (lossless floats as raw bits in zarr, bytegroup-coded objects,
+XOR deltas against the parent's chunk), ``store-objects-v6`` by the current one (root trees
+of format 2 holding small nodes inline, tiny float chunks stored raw); all by
 ``tests/fixtures/make_store.py``. ``expected.json`` holds a hash of every tensor of every
 version as first read, so any change in how old bytes decode fails here.
 """
@@ -96,3 +97,23 @@ def test_the_newest_fixture_holds_bytegroup_keyframes_and_xor_deltas() -> None:
     kinds = {(h.kind, h.coder) for h in (cas.parse_header(p.parent.name + p.name, p.read_bytes())
                                          for p in root.rglob("*") if p.is_file())}
     assert {(cas.KIND_WHOLE, cas.CODER_BYTEGROUP), (cas.KIND_DELTA, cas.CODER_BYTEGROUP)} <= kinds
+
+
+def test_the_newest_fixture_keeps_its_nodes_inline() -> None:
+    """The fixture guards root tree format 2 only if its roots really hold nodes inline beside
+    a node tree file (every tensor has a few chunks; the root group's attributes are over
+    the inline limit)."""
+    from inshrink_store.manifest import RootTree
+    from inshrink_store.storage import Storage
+
+    url = str(FIXTURES / "store-objects-v6")
+    storage, repo = Storage(url), ins.open(url)
+    roots = {repo.resolve(ref) for ref in ("main", "main~1", "first", "side")}
+    trees = set(storage.list("trees"))
+    mixed = 0
+    for sid in roots:
+        root_id = repo.log(sid)[0].root
+        root = RootTree.from_bytes(storage.read(f"trees/{root_id[:2]}/{root_id[2:]}"), root_id)
+        assert root.inline and set(root.nodes) <= {""}
+        mixed += bool(root.nodes)  # the root group, on the versions saved with its padding
+    assert mixed >= 2 and len(trees) > len({repo.log(sid)[0].root for sid in roots})

@@ -247,7 +247,8 @@ def _replace_node(repo: ins.Repository, path: str, metadata: str | None = None,
     node = NodeTree(tree.metadata if metadata is None else metadata,
                     tree.chunks if chunks is None else chunks)
     repo._storage.write(tree_path(node.id), node.to_bytes())
-    root = RootTree({**reader.view.root.nodes, path: node.id})
+    old = reader.view.root
+    root = RootTree({**old.nodes, path: node.id}, inline={p: t for p, t in old.inline.items() if p != path})
     repo._storage.write(tree_path(root.id), root.to_bytes())
     snap = Snapshot(root.id, None, "t")
     repo._storage.write(f"snapshots/{snap.id}", snap.to_bytes())

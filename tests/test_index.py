@@ -94,7 +94,7 @@ def _root(url: str) -> str:
 
 @pytest.mark.parametrize("how", ["read", "getitem"])
 def test_reading_one_tensor_reads_each_tree_and_the_snapshot_once(
-    url: str, cold_cache: None, monkeypatch: pytest.MonkeyPatch, how: str
+    tree_files: None, url: str, cold_cache: None, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     repo = ins.open(url)
     reads = Reads(monkeypatch, url)
@@ -262,7 +262,7 @@ def test_quantization_codecs_are_the_previous_codebooks(memory_url: str) -> None
     assert previous_codecs(None) == {}
 
 
-def test_uncached_views_read_storage_afresh(url: str, cold_cache: None) -> None:
+def test_uncached_views_read_storage_afresh(tree_files: None, url: str, cold_cache: None) -> None:
     """What verify needs: a tree damaged after it was cached is still found."""
     objects = cas.ObjectStore(Storage(url))
     root = _root(url)

@@ -109,7 +109,7 @@ def test_reading_one_tensor_costs_the_same_few_requests_for_10_or_60_tensors(
 
 
 def test_a_save_with_a_parent_reads_each_parent_tree_once_and_rewrites_none(
-    s3_url: str, count_requests: Callable[[], contextlib.AbstractContextManager[Requests]]
+    tree_files: None, s3_url: str, count_requests: Callable[[], contextlib.AbstractContextManager[Requests]]
 ) -> None:
     state = _state(30)
     repo = ins.init(s3_url)
@@ -146,7 +146,7 @@ def test_saving_an_unchanged_state_writes_no_tree(
 
 
 def test_a_save_right_after_a_save_reads_no_tree_back(
-    s3_url: str, count_requests: Callable[[], contextlib.AbstractContextManager[Requests]]
+    tree_files: None, s3_url: str, count_requests: Callable[[], contextlib.AbstractContextManager[Requests]]
 ) -> None:
     """The trees a commit wrote seed the process's index: the next save (whose parent they
     are) reads none of them from the object store."""
@@ -159,3 +159,30 @@ def test_a_save_right_after_a_save_reads_no_tree_back(
     got, put = seen.paths("GET", "trees"), seen.paths("PUT", "trees")
     # the only tree asked about is the changed tensor's new one (is it there? no: write it)
     assert len(put) == 2 and len(got) == 1 and set(got) <= set(put), (got, put)
+
+
+def test_small_tensors_keep_their_nodes_in_the_root_tree(
+    s3_url: str, count_requests: Callable[[], contextlib.AbstractContextManager[Requests]]
+) -> None:
+    """A tensor of a few chunks has no tree object of its own: its node lives in the root
+    tree, so a save of N such tensors PUTs N chunk objects and one tree (the root), a save
+    with a parent GETs one tree (the parent's root), and reading a tensor GETs one tree."""
+    state = _state(30)
+    repo = ins.init(s3_url)
+    with count_requests() as seen:
+        info = repo.save(state, message="v0")
+    assert len(seen.paths("PUT", "trees")) == 1, seen.paths("PUT", "trees")
+    assert list(repo._storage.list("trees")) == [tree_path(info.root)]
+    changed = {**state, READ: state[READ] + np.float32(1)}
+    CACHE.clear()
+    with count_requests() as seen:
+        second = repo.save(changed, message="v1")
+    assert len(seen.paths("GET", "trees")) == 1 and len(seen.paths("PUT", "trees")) == 1
+    CACHE.clear()
+    with count_requests() as seen:
+        got = ins.open(s3_url).checkout(second.id)[READ][...]
+    np.testing.assert_array_equal(got, changed[READ])
+    assert len(seen.paths("GET", "trees")) == 1, seen.paths("GET", "trees")
+    with count_requests() as seen:  # right after a save, its root is known: no tree read back
+        ins.open(s3_url).save({**changed, READ: changed[READ] + np.float32(1)}, message="v2")
+    assert not seen.paths("GET", "trees") and len(seen.paths("PUT", "trees")) == 1

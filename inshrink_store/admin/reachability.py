@@ -87,6 +87,9 @@ def reachable(parts: StoreParts, keep_last: int | None = None, progress: Progres
                 chunks_of[tid] = list(load_node(parts.objects, tid).chunks.values())
             for oid in chunks_of[tid]:
                 out.objects.setdefault(oid, set()).add((sid, path))
+        for path, tree in root.inline.items():  # held by the root tree itself: no file to keep
+            for oid in tree.chunks.values():
+                out.objects.setdefault(oid, set()).add((sid, path))
         if progress:
             progress(sid, i + 1, len(out.snapshots))
     for rid, sid in kept_residuals(parts, out.snapshots).items():

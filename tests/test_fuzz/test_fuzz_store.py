@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import cas, manifest
 from inshrink_store.manifest import ZSTD_MAGIC, canonical_json, content_id, pack_tree
 from inshrink_store.policy import QuantConfig
 from inshrink_store.storage import Storage
@@ -24,8 +24,9 @@ from inshrink_store.zarr_store import tree_path
 from tests.test_fuzz._hostile import FAST, SLOW, bounded, mutate, mutate_bytes
 
 
-def _build() -> tuple[dict[str, bytes], str]:
-    """Files of a small real store (lossless, quantized keyframe and delta, NaN metric)."""
+def _build() -> tuple[dict[str, bytes], str, str]:
+    """Files of a small real store (lossless, quantized keyframe and delta, NaN metric); the
+    head snapshot (its root holds every node inline) and its parent (every node a tree file)."""
     url = f"memory://fuzz-base-{uuid.uuid4().hex}"
     repo = ins.open(url, create=True)
     rng = np.random.default_rng(0)
@@ -33,15 +34,17 @@ def _build() -> tuple[dict[str, bytes], str]:
     state = {"model/w": w, "model/b": np.arange(8, dtype=np.int64),
              "opt/m": np.zeros((4, 100), np.float32), "bits": np.arange(6, dtype=np.uint16)}
     plan = QuantConfig(min_numel=64)
-    repo.save(state, quantize=plan, dtypes={"bits": "BF16"}, metadata={"lr": 0.1})
+    with pytest.MonkeyPatch.context() as patch:  # the parent as stores wrote it before inline nodes
+        patch.setattr(manifest, "INLINE_MAX_CHUNKS", -1)
+        repo.save(state, quantize=plan, dtypes={"bits": "BF16"}, metadata={"lr": 0.1})
     w2 = w.copy()
     w2[:3] += 0.5
     repo.save({**state, "model/w": w2}, quantize=plan, dtypes={"bits": "BF16"},
               metrics={"loss": float("nan")})
-    head = repo.resolve("main")
+    head, base = repo.resolve("main"), repo.resolve("main~1")
     files = {path: repo._storage.read(path) for path in repo._storage.list("")}
     _clear(url)
-    return files, head
+    return files, head, base
 
 
 def _clear(url: str) -> None:
@@ -50,7 +53,7 @@ def _clear(url: str) -> None:
         MemoryFileSystem.store.pop(key, None)
 
 
-FILES, HEAD = _build()
+FILES, HEAD, BASE = _build()
 
 
 def _doc(path: str) -> Any:
@@ -67,10 +70,12 @@ def _write_doc(files: dict[str, bytes], folder: str, raw: bytes) -> str:
 def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
     """A copy of the store with one document or object made hostile; the snapshot to read."""
     files = dict(FILES)
-    snap = _doc(f"snapshots/{HEAD}")
-    root = _doc(tree_path(snap["root"]))
-    target = data.draw(st.sampled_from(["snapshot", "root", "node", "zarr.json", "object", "ref"]),
+    target = data.draw(st.sampled_from(["snapshot", "root", "node", "zarr.json", "inline", "object", "ref"]),
                        label="target")
+    # a tree file to mutate is the parent's (every node a file), anything else the head's (inline)
+    start = BASE if target in ("node", "zarr.json") else HEAD
+    snap = _doc(f"snapshots/{start}")
+    root = _doc(tree_path(snap["root"]))
     as_bytes = data.draw(st.booleans(), label="byte-level")
 
     packed = data.draw(st.booleans(), label="tree documents packed as stored now")
@@ -89,7 +94,8 @@ def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
 
     if target == "object":
         oids = sorted({oid for tid in root["nodes"].values()
-                       for oid in _doc(tree_path(tid))["chunks"].values()})
+                       for oid in _doc(tree_path(tid))["chunks"].values()}
+                      | {oid for node in root.get("inline", {}).values() for oid in node["chunks"].values()})
         oid = data.draw(st.sampled_from(oids), label="object")
         files[cas.object_path(oid)] = mutate_bytes(FILES[cas.object_path(oid)], data)
         return files, HEAD
@@ -102,7 +108,16 @@ def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
         return files, "main"
     if target == "snapshot":
         return files, _write_doc(files, "snapshots", changed(snap, FILES[f"snapshots/{HEAD}"]))
-    if target == "root":
+    if target == "inline":  # one node the root holds inline, its document mutated in place
+        path = data.draw(st.sampled_from(sorted(root["inline"])), label="inline node")
+        node = root["inline"][path]
+        if data.draw(st.booleans(), label="its zarr.json") and node["metadata"] is not None:
+            meta_raw = node["metadata"].encode()
+            node["metadata"] = changed(json.loads(meta_raw), meta_raw).decode("utf-8", "replace")
+        else:
+            root["inline"][path] = mutate(node, data)
+        snap["root"] = _write_doc(files, "trees", tree(canonical_json(root)))
+    elif target == "root":
         snap["root"] = _write_doc(files, "trees", tree(changed(root, FILES[tree_path(snap["root"])])))
     else:
         path = data.draw(st.sampled_from(sorted(root["nodes"])), label="node")

@@ -268,7 +268,7 @@ def test_init_under_a_file_names_the_file(tmp_path) -> None:
     assert path.read_text() == "user data"
 
 
-def test_verify_reports_a_bad_array_document(memory_url: str) -> None:
+def test_verify_reports_a_bad_array_document(tree_files: None, memory_url: str) -> None:
     from inshrink_store.manifest import NodeTree, RootTree, Snapshot
     from inshrink_store.zarr_store import load_node, load_root, tree_path
 

@@ -121,7 +121,7 @@ def test_missing_object(repo: ins.Repository) -> None:
         ("object", oid, [(repo.resolve("main"), "w")])]
 
 
-def test_corrupted_tree(repo: ins.Repository) -> None:
+def test_corrupted_tree(tree_files: None, repo: ins.Repository) -> None:
     tid = repo.checkout("main").view.root.nodes["w"]
     _rewrite(repo, tree_path(tid), _flip(7))  # a tree is a zstd frame now: any byte will do
     with pytest.raises(ins.IntegrityError, match=tid):

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import inshrink_store as ins
-from inshrink_store import leases
+from inshrink_store import leases, manifest
 from inshrink_store.admin import GarbageCollector
 from tests.test_repository._clock import FakeClock
 
@@ -207,6 +207,21 @@ class GcProtocolMachine(RuleBasedStateMachine):
 TestGcProtocol = GcProtocolMachine.TestCase
 TestGcProtocol.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class TestGcProtocolTreeFiles(GcProtocolMachine.TestCase):
+    """The same protocol with every array's node a tree file (only groups inline): roots that
+    mix tree files and inline nodes, and node trees for gc to keep or collect."""
+
+    settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
+                        suppress_health_check=[HealthCheck.too_slow])
+
+    def setUp(self) -> None:
+        self._inline_max = manifest.INLINE_MAX_CHUNKS
+        manifest.INLINE_MAX_CHUNKS = 0
+
+    def tearDown(self) -> None:
+        manifest.INLINE_MAX_CHUNKS = self._inline_max
 
 
 @pytest.mark.slow

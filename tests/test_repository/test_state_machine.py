@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 import inshrink_store as ins
+from inshrink_store import manifest
 
 NAMES = ["a", "b", "deep/c"]
 
@@ -166,3 +167,16 @@ RepositoryMachine.TestCase.settings = settings(
     max_examples=15, stateful_step_count=12, deadline=None
 )
 TestRepositoryMachine = RepositoryMachine.TestCase
+
+
+class TestRepositoryMachineTreeFiles(RepositoryMachine.TestCase):
+    """The same model with every array's node a tree file (only groups inline)."""
+
+    settings = settings(max_examples=8, stateful_step_count=12, deadline=None)
+
+    def setUp(self) -> None:
+        self._inline_max = manifest.INLINE_MAX_CHUNKS
+        manifest.INLINE_MAX_CHUNKS = 0
+
+    def tearDown(self) -> None:
+        manifest.INLINE_MAX_CHUNKS = self._inline_max
