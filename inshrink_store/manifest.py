@@ -188,6 +188,9 @@ class NodeTree:
         # a read-only copy: ids and stored bytes are cached, so the caller's dict must not move them
         object.__setattr__(self, "chunks", MappingProxyType(dict(self.chunks)))
 
+    def __reduce__(self) -> tuple[Any, ...]:  # a read-only mapping does not pickle: rebuilt from a dict
+        return (NodeTree, (self.metadata, dict(self.chunks)))
+
     def document(self) -> dict[str, Any]:
         """The node's JSON document (without the format field)."""
         return {"metadata": self.metadata, "chunks": dict(self.chunks)}
@@ -253,6 +256,9 @@ class RootTree:
         # read-only copies: the stored bytes and id are cached
         object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
         object.__setattr__(self, "inline", MappingProxyType(dict(self.inline)))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a read-only mapping does not pickle: rebuilt from dicts
+        return (RootTree, (dict(self.nodes), dict(self.inline)))
 
     def to_bytes(self) -> bytes:
         return self._stored

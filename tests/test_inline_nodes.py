@@ -200,6 +200,9 @@ def test_a_tree_keeps_its_own_copy_of_what_it_was_built_from() -> None:
     assert dict(tree.chunks) == {"c/0": OID} and (tree.id, tree.inline_id, root.id) == before
     with pytest.raises(TypeError):
         tree.chunks["c/2"] = OID  # type: ignore[index]
+    import pickle  # process pools pickle what they are handed
+
+    assert pickle.loads(pickle.dumps(root)) == root and pickle.loads(pickle.dumps(root)).id == root.id
 
 
 def test_verify_names_a_damaged_root_that_holds_nodes_inline() -> None:
