@@ -272,15 +272,37 @@ def _device(map_location: Any) -> Any:
         return None
     if isinstance(map_location, (str, torch.device)):
         try:
-            return torch.device(map_location)
+            device = torch.device(map_location)
         except (RuntimeError, ValueError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise InvalidInputError(
                 f"Expected map_location to be a device such as 'cpu', 'cuda:0' or torch.device('cuda'). "
                 f"Got {map_location!r} instead ({reason}).") from None
+        _check_available(device, map_location)
+        return device
     raise InvalidInputError(
         f"Expected map_location to be a device string or a torch.device. Got {type(map_location).__name__} "
         "instead; e.g. map_location='cpu'.")
+
+
+def _check_available(device: Any, map_location: Any) -> None:
+    """A device this torch build or machine lacks fails here, named, before anything is read:
+    torch itself fails only at the first ``.to()``, with an AssertionError ("Torch not compiled
+    with CUDA enabled") or a RuntimeError that does not say which argument was wrong."""
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu (not meta)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and not available():
+        name = device.type.upper() if device.type == "cuda" else device.type
+        raise InvalidInputError(
+            f"Expected map_location to be a device this torch can use. Got {map_location!r} instead, but "
+            f"{name} is not available in this torch build or on this machine "
+            f"(torch.{device.type}.is_available() is False): pass map_location='cpu', or install a "
+            f"{name}-enabled torch where that device exists.")
+    count = getattr(backend, "device_count", None)
+    if device.type != "cpu" and device.index is not None and callable(count) and device.index >= count():
+        raise InvalidInputError(
+            f"Expected map_location to name one of the {count()} {device.type} devices here. Got "
+            f"{map_location!r} instead: pass an index below {count()}, e.g. '{device.type}:0'.")
 
 
 def _prefix_parts(prefix: str | None) -> list[str]:
