@@ -159,7 +159,8 @@ class Quantizer:
         if not 1 <= k <= 65534:
             raise FormatError(f"Expected 1..65534 codebook centres. Got {k} instead.")
         centres = _element_centres(self.codebook, self.dtype)
-        if not np.all(np.isfinite(centres)) or np.any(np.diff(centres) <= 0):
+        # compared, not subtracted: the difference of centres near ±3.4e38 overflows float32
+        if not np.all(np.isfinite(centres)) or np.any(centres[1:] <= centres[:-1]):
             shown = f"{list(self.codebook)[:8]}{'...' if k > 8 else ''}"
             raise FormatError(
                 f"Expected finite, strictly ascending centres, still distinct after rounding to "
@@ -288,6 +289,15 @@ class Quantizer:
         """float32 values that protected words decode to (in the element dtype's precision)."""
         return self.values_of(self._unprotect(words, self.protected_dtype))
 
+    def protected_values(self, carrier: np.ndarray) -> np.ndarray:
+        """float32 values these elements read back as when stored protected: finite ones stay
+        finite (:meth:`_protect`'s step toward zero where bfloat16 rounding overflows).
+
+        Why public: the policy layer plans protected values as the codec will store them, so
+        its tolerance-0 encode stores them exactly; rounding them apart (to nearest, without
+        the step) once planned ``inf`` for finite values near a dtype's largest."""
+        return self._stored_values(self._protect(carrier))
+
     # -- decode -----------------------------------------------------------------------
 
     def decode(self, data: Any) -> Any:
@@ -324,6 +334,17 @@ def quantizer(codebook: tuple[float, ...], tolerance: float, protected_dtype: st
               dtype: str) -> Quantizer:
     """A validated, cached :class:`Quantizer` (FormatError for an invalid configuration)."""
     return Quantizer(codebook, tolerance, protected_dtype, dtype)
+
+
+def protected_values(values: np.ndarray, dtype: str, protected_dtype: str) -> np.ndarray:
+    """float32 ``values`` of element ``dtype`` (its codec name) as the codec stores them
+    protected in ``protected_dtype``: rounded to nearest, finite values kept finite.
+
+    The words do not depend on the codebook, so any valid one does (a cached quantizer)."""
+    q = quantizer((0.0,), 0.0, protected_dtype, dtype)
+    with np.errstate(over="ignore"):
+        carrier = np.asarray(q.element.from_float32(np.asarray(values, np.float32)))
+    return q.protected_values(carrier.astype(_carrier(dtype), copy=False))
 
 
 _MAX_CENTRES = 65534

@@ -27,7 +27,7 @@ import numpy as np
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ZSTD_LEVEL
 from inshrink_store.codecs import _zstd
-from inshrink_store.codecs.nuq import nearest_index
+from inshrink_store.codecs.nuq import nearest_index, protected_values
 from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
@@ -281,14 +281,17 @@ def sketch_sq_errors(sketch: LogSketch, codebooks: list[np.ndarray]) -> list[flo
 
 
 def _previous(prev: Any, dtype: str, include_zero: bool, levels: int) -> np.ndarray | None:
-    """The previous codebook, rounded through ``dtype``, if it is usable as this one."""
+    """The previous codebook, rounded through ``dtype``, if it is usable as this one: a
+    centre past the dtype's range (a float32 codebook of values near 3.4e38, the tensor now
+    float16) would round to infinity, so such a codebook is not."""
     if prev is None:
         return None
     p = np.asarray(prev, np.float64).ravel()
     if p.size == 0 or not np.all(np.isfinite(p)):
         return None
-    p = np.unique(through_dtype(p, dtype)).astype(np.float64)
-    if p.size != levels or (include_zero and 0.0 not in p):
+    with np.errstate(over="ignore"):
+        p = np.unique(through_dtype(p, dtype)).astype(np.float64)
+    if p.size != levels or not np.all(np.isfinite(p)) or (include_zero and 0.0 not in p):
         return None
     return p
 
@@ -508,9 +511,11 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
     out[pruned] = 0.0
     if protected.any():
         kept = w[protected]
-        # kept in bfloat16 they are rounded to it; kept in float32, to the tensor's own dtype
-        keep_as = dtype_registry.by_codec_name(config.protected_dtype)
-        rounded = keep_as.round_float32(kept) if keep_as.name == "BF16" else through_dtype(kept, dtype)
+        # the values the codec stores: rounded to the protected dtype and the tensor's own, a
+        # finite value never rounded to infinity (bfloat16 rounds float32's largest and
+        # float16's 65504 past their range: the codec would have stored the infinity planned)
+        element = dtype_registry.get(dtype).codec_name or "float32"  # F64: its float32 values
+        rounded = protected_values(kept, element, config.protected_dtype)
         out[protected] = np.where(np.isfinite(kept), rounded, kept)  # NaN / Inf left alone
     n = max(w.size, 1)
     stats = _Stats({
