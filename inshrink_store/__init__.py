@@ -19,6 +19,7 @@ from inshrink_store.errors import (
     MissingDependencyError,
     NotFoundError,
     StorageError,
+    WriteCheckError,
 )
 from inshrink_store.index import ArrayInfo
 from inshrink_store.policy import QuantConfig, QuantizationRecord
@@ -43,6 +44,6 @@ __all__ = [
     # errors
     "AlreadyExistsError", "BackgroundSaveError", "ConflictError", "FormatError", "GcRunningError",
     "InshrinkError", "IntegrityError", "InvalidInputError", "LeaseBrokenError", "MissingDependencyError",
-    "NotFoundError", "StorageError",
+    "NotFoundError", "StorageError", "WriteCheckError",
     "__version__",
 ]

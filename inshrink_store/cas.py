@@ -31,6 +31,7 @@ silently wrong numbers or an unbounded allocation.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -43,7 +44,13 @@ import zstandard
 from inshrink_store.codecs import _nibbles, _payload, _planes, _zstd, bytegroup
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
-from inshrink_store.errors import FormatError, IntegrityError, InvalidInputError, NotFoundError
+from inshrink_store.errors import (
+    FormatError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    WriteCheckError,
+)
 from inshrink_store.layout import object_path  # noqa: F401 - re-exported
 from inshrink_store.manifest import content_id
 from inshrink_store.storage import Storage
@@ -80,6 +87,9 @@ RAW_FLOATS_MAX = 64
 #: biases and norms of a few KiB the XOR planes never came out clearly smaller (the demo's and
 #: the training benchmark's stored bytes are identical with and without the attempt)
 FLOAT_DELTA_MIN = 16 << 10
+#: set to 1 to decode every object before it is stored and compare it with the payload it was
+#: meant to hold (on in the test suite and in CI; costs one decode per stored object)
+VERIFY_WRITES_ENV = "INSHRINK_VERIFY_WRITES"
 MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
 
@@ -147,6 +157,34 @@ def _max_logical(kind: int, coder: int, body_len: int) -> int:
     if kind == KIND_DELTA:  # vdelta: every zstd'd symbol (1 or 2 bytes) -> one id of <= 2 bytes
         return _payload.HEADER_SIZE + 2 * MAX_ZSTD_EXPANSION * body_len
     return body_len
+
+
+def stream_limit(kind: int, coder: int, logical_length: int, body_len: int) -> int:
+    """The most bytes the zstd frame of a coder 1 or 2 body may decompress to.
+
+    The one definition of that bound: the reader decompresses with it as the limit, and the
+    writer checks every stream against it before it stores the object (:func:`keyframe_body`),
+    so a committed object is never one its reader refuses. A whole zstd keyframe holds the
+    payload itself (its logical length); a packed keyframe (coder 2) holds the payload with
+    its ids two to a byte, which escapes can make longer than the payload
+    (:func:`_nibbles.max_packed_length`); a zstd delta holds a vdelta stream, bounded by
+    zstd's own expansion of the body."""
+    if coder == CODER_PACKED_ZSTD:
+        return _nibbles.max_packed_length(logical_length)
+    if kind == KIND_DELTA:
+        return body_len * MAX_ZSTD_EXPANSION
+    return logical_length
+
+
+def _check_stream(kind: int, coder: int, logical_length: int, stream: bytes | memoryview) -> None:
+    """Writer side of :func:`stream_limit`: a stream past the reader's bound is a bug here,
+    raised before anything is stored, never a version committed that cannot be read back."""
+    limit = stream_limit(kind, coder, logical_length, 0)
+    if memoryview(stream).nbytes > limit:
+        raise WriteCheckError(
+            f"Expected the coder {coder} stream of a {logical_length}-byte payload to hold at "
+            f"most {limit} bytes, the reader's bound. Got {memoryview(stream).nbytes} instead; "
+            "nothing was stored. This is a bug in inshrink-store: please report it.")
 
 
 def _check_length(oid: str, kind: int, coder: int, length: int, body_len: int) -> None:
@@ -237,6 +275,7 @@ class ObjectStore:
             if oid == base or self.storage.exists_durably(object_path(oid)):
                 return PutResult(oid, 0, -1)
             stored = self._encode_floats(view, base, element)
+            self._check_writable(oid, stored, view)
             if content_id(view) != oid:  # read where they lie: they must not move meanwhile
                 raise InvalidInputError(
                     f"Expected the {element} values of a chunk to stay unchanged while they are "
@@ -254,9 +293,37 @@ class ObjectStore:
         if oid == base or self.storage.exists_durably(object_path(oid)):
             return PutResult(oid, 0, -1)
         stored = self._encode(payload, base)
+        self._check_writable(oid, stored, payload)
         self.storage.write(object_path(oid), stored)
         self._cache.put(oid, payload)  # kept for the next version's delta
         return PutResult(oid, len(stored), stored[4])
+
+    def _check_writable(self, oid: str, stored: bytes, payload: bytes | memoryview) -> None:
+        """Read your writes: the header's declared sizes must pass the bounds the reader checks
+        (:func:`parse_header`, always, a few comparisons); with ``INSHRINK_VERIFY_WRITES=1``
+        the object is also decoded as a reader will, its base included, and must give back
+        ``payload`` bit for bit. Either failure is a :class:`WriteCheckError` naming the coder,
+        raised before the object is stored, so the version is never committed."""
+        try:
+            header = parse_header(oid, stored, len(stored))
+        except IntegrityError as exc:
+            raise WriteCheckError(f"Expected object {oid} to pass its reader's bounds before it is "
+                                  f"stored. Got: {exc}") from None
+        if not verify_writes():
+            return
+        base = None if header.base is None else self.get(header.base)
+        try:
+            decoded = _decode_body(oid, header, _checked_body(oid, header, stored), base, self._delta)
+        except IntegrityError as exc:
+            decoded, why = b"", str(exc)
+        else:
+            why = f"{len(decoded)} bytes with id {content_id(decoded)}"
+        if len(decoded) != len(payload) or content_id(decoded) != oid:
+            raise WriteCheckError(
+                f"Expected object {oid} (kind {header.kind}, coder {header.coder}) to decode to the "
+                f"{len(payload)}-byte payload it was written from. Got {why} instead; nothing was "
+                "stored and the version is not committed. This is a bug in inshrink-store: please "
+                "report it.")
 
     def _encode(self, payload: bytes, base: str | None) -> bytes:
         quantized = is_quantized_payload(payload)
@@ -422,6 +489,11 @@ class ObjectStore:
         return out
 
 
+def verify_writes() -> bool:
+    """Whether ``INSHRINK_VERIFY_WRITES`` asks every stored object to be decoded first."""
+    return os.environ.get(VERIFY_WRITES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tuple[int, bytes]:
     """(coder, body) of a payload stored whole: raw floats of ``element`` as a bytegroup
     chunk (coder 3); a quantized payload zstd-compressed, as it is or with its ids two per
@@ -435,9 +507,12 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
                                                                LOSSLESS_LEVEL, "zstd+huffman"))
     if not is_quantized_payload(payload):
         return CODER_NONE, bytes(payload)
+    _check_stream(KIND_WHOLE, CODER_ZSTD, len(payload), payload)
     body = _zstd.compress(payload, ZSTD_LEVEL)
     if _nibbles.packable(payload):
-        packed = _zstd.compress(_nibbles.pack(payload), ZSTD_LEVEL)
+        stream = _nibbles.pack(payload)
+        _check_stream(KIND_WHOLE, CODER_PACKED_ZSTD, len(payload), stream)
+        packed = _zstd.compress(stream, ZSTD_LEVEL)
         if len(packed) < len(body):
             return CODER_PACKED_ZSTD, packed
     return CODER_ZSTD, body
@@ -505,13 +580,11 @@ def _decode_body(
     oid: str, header: ObjectHeader, body: bytes | memoryview, base: bytes | None, delta: VDelta
 ) -> bytes:
     try:
-        if header.coder == CODER_ZSTD:
-            limit = (
-                len(body) * MAX_ZSTD_EXPANSION if header.is_delta else header.logical_length
-            )
+        if header.coder in (CODER_ZSTD, CODER_PACKED_ZSTD):
+            limit = stream_limit(header.kind, header.coder, header.logical_length, len(body))
             body = _bounded_zstd(oid, body, limit)
-        elif header.coder == CODER_PACKED_ZSTD:  # a keyframe; packed, it is below its logical size
-            body = _nibbles.unpack(_bounded_zstd(oid, body, header.logical_length))
+            if header.coder == CODER_PACKED_ZSTD:  # a keyframe (parse_header refuses packed deltas)
+                body = _nibbles.unpack(body)
         elif header.coder == CODER_BYTEGROUP:
             return _decode_floats(oid, header, body, base)
         if header.is_delta:

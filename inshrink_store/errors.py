@@ -5,7 +5,8 @@
   ``AlreadyExistsError`` (a tag, branch or store name is taken), ``GcRunningError``
   (a gc holds the store), ``LeaseBrokenError`` (a gc fenced this commit off).
 - ``IntegrityError``: stored bytes are damaged (hash, checksum, malformed document);
-  stop and run ``inshrink verify``.
+  stop and run ``inshrink verify``. ``WriteCheckError``: a save caught itself about to
+  store an object it could not read back (a bug; nothing was committed).
 - ``FormatError`` (also a ``ValueError``): data in a format this version cannot use (a
   codec payload, an unknown format version). Its subclass ``InvalidInputError`` is a bad
   argument (a name, a config, a tensor, commit fields): fix the call.
@@ -50,6 +51,12 @@ class LeaseBrokenError(ConflictError):
 
 class IntegrityError(InshrinkError):
     """Stored bytes fail their content hash or checksum, or a delta chain is broken."""
+
+
+class WriteCheckError(IntegrityError):
+    """The writer produced an object its own reader would refuse or decode differently: a
+    bug in inshrink-store, caught before the version was committed (nothing was lost). The
+    message names the tensor, chunk and coder; please report it."""
 
 
 class FormatError(InshrinkError, ValueError):

@@ -31,7 +31,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from inshrink_store import manifest
 from inshrink_store.cas import ObjectStore
-from inshrink_store.errors import IntegrityError, NotFoundError
+from inshrink_store.errors import IntegrityError, NotFoundError, WriteCheckError
 from inshrink_store.index import (  # noqa: F401 - load_root, load_node, tree_path re-exported
     ATTR,
     METADATA_KEY,
@@ -278,7 +278,11 @@ class PendingChunks:
         previous = self._parent_entries.get(key)
         base = previous.oid if previous is not None else None
         # outside the lock: objects in parallel
-        result = self.objects.put(value, base=base, element=self._float_element(key))
+        try:
+            result = self.objects.put(value, base=base, element=self._float_element(key))
+        except WriteCheckError as exc:
+            tensor, _, chunk = key.partition("/c/")
+            raise WriteCheckError(f"Tensor {tensor!r}, chunk {chunk or key!r}: {exc}") from exc
         with self._lock:
             self.new_stored_bytes += result.stored_bytes
             self.entries[key] = Entry(oid=result.oid)

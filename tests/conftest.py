@@ -19,6 +19,9 @@ import os
 # to, and against the emulator each probe hangs; this must be set before gcsfs is
 # imported anywhere in the process.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Read your writes: every object a test stores is decoded first and compared with what it
+# was meant to hold (inshrink_store.cas.verify_writes); child processes inherit it.
+os.environ.setdefault("INSHRINK_VERIFY_WRITES", "1")
 
 import collections
 import threading

@@ -117,3 +117,34 @@ def test_the_newest_fixture_keeps_its_nodes_inline() -> None:
         assert root.inline and set(root.nodes) <= {""}
         mixed += bool(root.nodes)  # the root group, on the versions saved with its padding
     assert mixed >= 2 and len(trees) > len({repo.log(sid)[0].root for sid in roots})
+
+
+ESCAPED = FIXTURES / "store-packed-escapes"
+
+
+def test_packed_keyframes_longer_than_their_payload_read_back_bit_for_bit(tmp_path: Path) -> None:
+    """Releases e41198a..a828d53 committed such chunks and their reader refused them; a
+    store holding them reads and verifies with no migration, each tensor as it was meant."""
+    shutil.copytree(ESCAPED, tmp_path / "s")
+    repo = ins.open(str(tmp_path / "s"))
+    expected = json.loads((FIXTURES / "expected-packed-escapes.json").read_text())
+    for ref, digests in expected.items():
+        assert {k: _digest(v) for k, v in sorted(repo.load(ref).items())} == digests, ref
+    report = repo.verify()
+    assert report.ok, report.problems
+
+
+def test_the_escape_fixture_holds_packed_streams_longer_than_their_payload() -> None:
+    """The fixture guards the fixed bound only if a packed stream really passes the payload's length."""
+    import zstandard
+
+    from inshrink_store import cas
+
+    longer = 0
+    for path in (p for p in (ESCAPED / "objects").rglob("*") if p.is_file()):
+        stored = path.read_bytes()
+        header = cas.parse_header(path.parent.name + path.name, stored)
+        if header.coder == cas.CODER_PACKED_ZSTD:
+            stream = zstandard.ZstdDecompressor().decompress(stored[cas.HEADER_SIZE:])
+            longer += len(stream) > header.logical_length
+    assert longer >= 1

@@ -21,6 +21,13 @@ nibble of byte ``i`` (the high nibble of a last, unpaired byte is 0); then, when
 byte ``id - 15`` for every nibble equal to 15, in element order; then the protected values
 unchanged. Packing is a pure function of the payload and is undone exactly; the store keeps
 whichever of the packed and the plain form compresses smaller (``cas``, coder 2).
+
+With escapes the packed form can be *longer* than the payload: when most ids are 15 or above
+(a skewed chunk whose weights sit at the top levels), each pays a nibble and an escape byte.
+:func:`max_packed_length` is the bound for that case, and the one definition both the reader
+(its decompression limit) and the writer (checked before it stores) use; releases e41198a to
+a828d53 bounded the packed stream by the payload's length instead, and their reader refused
+such chunks although the bytes on disk were intact.
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ NIBBLE_LEVELS = 16
 #: the most levels packed at all (ids from 15 on escape to an extra byte above NIBBLE_LEVELS)
 MAX_LEVELS = 31
 ESCAPE = 15
+
+
+def max_packed_length(payload_length: int) -> int:
+    """The longest packed form of a payload of ``payload_length`` bytes: every id escaped, so
+    half a byte of nibbles plus an escape byte for each one-byte id (header and protected
+    values unchanged). At most one and a half times the payload's length."""
+    ids = max(payload_length - _payload.HEADER_SIZE, 0)
+    return payload_length + (ids + 1) // 2
 
 
 def _header(data: bytes | memoryview) -> tuple[int, int, int, int]:
