@@ -9,9 +9,11 @@ model) and ``live_accuracy`` the training model's at the moment it was saved (th
 ``live_accuracy`` metric of the version).
 
 A fresh demo only ever replaces an earlier demo store: the demo writes ``demo.json`` (its
-marker) beside the store's ``inshrink.json``, and a path is cleared only when it holds
-both, or nothing at all. Any other existing path (a folder of your files, a store of your
-own, a file) is refused with an error and left untouched.
+marker, recording the top-level names that are the demo's: the store's own layout) beside
+the store's ``inshrink.json``, and a path is cleared only when it holds both and nothing
+but the recorded names, or nothing at all. Any other existing path (a folder of your
+files, a store of your own, a demo store you have put your own files in, a file) is
+refused with an error naming what is in the way, and left untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 
 import inshrink_store as ins
+from inshrink_store import layout
 from inshrink_store.errors import FormatError, MissingDependencyError
 from inshrink_store.policy import QuantizationRecord, SearchPolicy
 from inshrink_store.storage import Storage
@@ -142,49 +145,94 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
 
 
 DEMO_MARKER = "demo.json"
-CONFIG_FILE = "inshrink.json"
+CONFIG_FILE = layout.CONFIG_FILE
+#: what a demo store holds at its top: the store's own folders and files, and the marker
+_STORE_NAMES = frozenset({CONFIG_FILE, DEMO_MARKER, layout.BRANCHES.split("/")[0], layout.SNAPSHOTS,
+                          layout.TREES, layout.OBJECTS, layout.RESIDUALS, layout.LEASES})
 _MARKER_DOC = {"created_by": "inshrink demo",
-               "note": "Made by `inshrink demo`; running the demo again at this path replaces this store."}
+               "note": "Made by `inshrink demo`; running the demo again at this path replaces this store "
+                       "(only the names under 'owns'; anything else there makes it refuse).",
+               "owns": sorted(_STORE_NAMES)}
+_REFUSAL = "Expected a new path, an empty directory or a previous demo store for the demo. Got"
 
 
 def write_demo_marker(repo: Any) -> None:
-    """Mark ``repo`` as a demo store, which a later demo at the same path may replace."""
+    """Mark ``repo`` as a demo store, recording the names in it that are the demo's: a later
+    demo at the same path may replace those, and refuses when anything else is there."""
     Storage(repo.url).write(DEMO_MARKER, (json.dumps(_MARKER_DOC, indent=2) + "\n").encode())
+
+
+def demo_owned_names(storage: Storage) -> frozenset[str] | None:
+    """The top-level names a demo recorded as its own in the store at ``storage``, or None
+    when it is not a demo store (no ``inshrink.json``, or no readable marker of the demo's).
+
+    A marker from before markers recorded names owns the store's layout; a marker that
+    records a name outside that layout is not one the demo wrote, so it owns nothing."""
+    if not storage.exists(CONFIG_FILE) or not storage.exists(DEMO_MARKER):
+        return None
+    try:
+        doc = json.loads(storage.read(DEMO_MARKER))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("created_by") != _MARKER_DOC["created_by"]:
+        return None
+    owns = doc.get("owns", sorted(_STORE_NAMES))
+    if not isinstance(owns, list) or not set(owns) <= _STORE_NAMES:
+        return None
+    return frozenset(owns)
 
 
 def is_demo_store(storage: Storage) -> bool:
     """The store's ``inshrink.json`` and a readable demo marker are both there."""
-    if not storage.exists(CONFIG_FILE) or not storage.exists(DEMO_MARKER):
-        return False
-    try:
-        doc = json.loads(storage.read(DEMO_MARKER))
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and doc.get("created_by") == _MARKER_DOC["created_by"]
+    return demo_owned_names(storage) is not None
+
+
+def _entry_name(fs: Any, entry: str) -> str:
+    """A listed entry's own name, with a trailing ``/`` for a folder (as the error shows it)."""
+    name = entry.rstrip("/").rsplit("/", 1)[-1]
+    return f"{name}/" if fs.isdir(entry) else name
+
+
+def _owned(name: str, owns: frozenset[str]) -> bool:
+    """A recorded name, or the temp file of an interrupted write of one (``demo.json.tmp-<uuid>``)."""
+    return name.rstrip("/") in owns or name.split(layout.TEMP_MARKER, 1)[0] in owns
+
+
+def _show_names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _refuse_foreign(url: str, foreign: list[str], store: bool) -> FormatError:
+    where = "an earlier demo store that also holds" if store else "files the demo did not make in it:"
+    return FormatError(
+        f"{_REFUSAL} {url!r} with {where} {_show_names(foreign)} instead; nothing was deleted: "
+        "move those out of it, or pick another path, e.g. ./inshrink-demo."
+    )
 
 
 def prepare_demo_store(url: str) -> None:
     """Make room for a fresh demo at ``url``: nothing there and an empty directory are fine,
-    a previous demo store is emptied, and anything else raises :class:`FormatError`."""
+    a previous demo store loses the names its marker records, and anything else raises
+    :class:`FormatError` naming what is in the way (and deletes nothing): the demo may only
+    remove what it made."""
     storage = Storage(url)
     fs, root = storage.fs, storage.root
     if not fs.exists(root):
         return
     if not fs.isdir(root):
-        raise FormatError(
-            f"Expected a new path, an empty directory or a previous demo store for the demo. Got the "
-            f"file {url!r} instead; pick another path, e.g. ./inshrink-demo."
-        )
-    entries = fs.ls(root, detail=False)
+        raise FormatError(f"{_REFUSAL} the file {url!r} instead; pick another path, e.g. ./inshrink-demo.")
+    entries = {_entry_name(fs, e): e for e in fs.ls(root, detail=False)}
     if not entries:
         return
-    if not is_demo_store(storage):
-        kind = "an inshrink store that the demo did not make" if storage.exists(CONFIG_FILE) else "files in it"
-        raise FormatError(
-            f"Expected a new path, an empty directory or a previous demo store for the demo. Got "
-            f"{url!r} with {kind} instead; nothing was deleted: pick another path, e.g. ./inshrink-demo."
-        )
-    for entry in entries:  # empty the directory, keep it (it may be a mount point or a link)
+    owns = demo_owned_names(storage)
+    if owns is None and storage.exists(CONFIG_FILE):
+        raise FormatError(f"{_REFUSAL} {url!r} with an inshrink store that the demo did not make instead; "
+                          "nothing was deleted: pick another path, e.g. ./inshrink-demo.")
+    foreign = sorted(name for name in entries if owns is None or not _owned(name, owns))
+    if foreign:
+        raise _refuse_foreign(url, foreign, store=owns is not None)
+    for entry in entries.values():  # only the demo's own names; the directory stays (a mount, a link)
         fs.rm(entry, recursive=True)
 
 
