@@ -11,12 +11,14 @@ makes the next save delta-code against it, so the chain survives a failure.
 ``extra_state`` objects (an LR scheduler, :class:`RNGState`, a sampler) and the ``extra``
 of each save travel in the same version under ``extra/``: tensors and JSON scalars, no
 pickle. A :class:`Retention` tags the versions kept for good (``keep-<step>``) and, after
-each commit, runs ``repo.gc(keep_last=max_to_keep)`` on a background thread; a gc that a
+each commit, runs a gc that keeps the ``max_to_keep`` newest versions of the Checkpointer's
+branch (every other branch keeps its whole history) on a background thread; a gc that a
 commit in progress refuses is only logged and runs again after the next save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import random
@@ -25,12 +27,13 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 from typing_extensions import Unpack
 
+from inshrink_store.admin import GarbageCollector
 from inshrink_store.errors import (
     AlreadyExistsError,
     BackgroundSaveError,
@@ -41,6 +44,7 @@ from inshrink_store.errors import (
     LeaseBrokenError,
     NotFoundError,
 )
+from inshrink_store.layout import branch_ref_path
 from inshrink_store.policy import (
     DEFAULT_CONFIG,
     Candidates,
@@ -52,6 +56,7 @@ from inshrink_store.policy import (
 from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.policy.search import SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
+from inshrink_store.refs import Refs
 from inshrink_store.residual import MAX_KEEP_NEWEST
 from inshrink_store.structure import flatten
 from inshrink_store.torch.optim import adam_hyper, param_paths
@@ -87,11 +92,12 @@ def _positive_int(value: Any) -> bool:
 class Retention:
     """Which versions of the Checkpointer's branch outlive the next gc.
 
-    ``max_to_keep``: the newest versions kept (``repo.gc(keep_last=max_to_keep)`` after
-    every commit). ``keep_every_n_steps``: a version whose step is a multiple of it is
-    also tagged ``keep-<step>`` (``keep-<branch>-<step>`` off ``main``) and so kept for
-    good. Tags are refs: every tag, yours included, keeps its version whatever this says.
-    The gc is the store's: ``keep_last`` applies to every branch of the store.
+    ``max_to_keep``: the newest versions of the branch kept (a gc after every commit).
+    ``keep_every_n_steps``: a version whose step is a multiple of it is also tagged
+    ``keep-<step>`` (``keep-<branch>-<step>`` off ``main``) and so kept for good. Tags are
+    refs: every tag, yours included, keeps its version whatever this says. Only this
+    branch is trimmed: every version in the history of another branch is kept, since
+    another run (or a person) owns it.
     """
 
     max_to_keep: int
@@ -444,13 +450,15 @@ class Checkpointer:
                 "with-block) already closed instead; create a new Checkpointer(repo, model, optimizer, "
                 "...) and call restore() on it to continue from the last version.")
 
-    def restore(self, ref: str = "main") -> int | None:
-        """Load model, optimizer and ``extra_state`` of ``ref``; returns its step. The
-        version's ``extra`` is in :attr:`extra` afterwards. Saves continue from it."""
+    def restore(self, ref: str | None = None) -> int | None:
+        """Load model, optimizer and ``extra_state`` of ``ref`` (default: the head of this
+        Checkpointer's branch, so a restarted run resumes its own branch); returns its step.
+        The version's ``extra`` is in :attr:`extra` afterwards. Saves continue from it, on
+        this Checkpointer's branch: ``restore("main")`` on another branch forks it from main."""
         self._check_open("restore")
         self.wait()
         self._gc_idle.wait()  # a retention gc in flight must not race this read
-        snapshot_id = self.repo.resolve(ref)
+        snapshot_id = self._resolve(ref)
         state, self.restored_exact = load_state_report(self.repo, snapshot_id)
         info = self.repo.snapshot(snapshot_id)
         log.info("restored step %s from %s: %s", info.step, snapshot_id[:12],
@@ -474,6 +482,19 @@ class Checkpointer:
         self._previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
         self._ema.clear()
         return info.step
+
+    def _resolve(self, ref: str | None) -> str:
+        """``ref``'s snapshot id; None is this branch's head, looked up as a branch only (a
+        tag or an id prefix spelled like the branch must not stand in for it)."""
+        if ref is not None:
+            return str(self.repo.resolve(ref))
+        head = self.repo.branches().get(self.branch)
+        if head is None:
+            raise NotFoundError(
+                f"Expected branch {self.branch!r} to have a version to restore. Got no such branch in "
+                f"{self.repo.url!r} instead: restore('main') (or another ref) to start {self.branch!r} from "
+                "that version, or save() without a restore to start it from scratch.")
+        return str(head)
 
     # -- background ------------------------------------------------------------------------
     def _save(self, job: _Job) -> Any:
@@ -604,13 +625,14 @@ class Checkpointer:
                     self._gc_idle.set()
 
     def _collect(self) -> None:
-        """One ``repo.gc(keep_last=max_to_keep)`` (every version kept without retention: it then
-        only collects restore residuals and leftovers); never raises into the training loop."""
+        """One gc keeping this branch's ``max_to_keep`` newest versions (every version kept
+        without retention: it then only collects restore residuals and leftovers); never
+        raises into the training loop."""
         keep = None if self.retention is None else self.retention.max_to_keep
         try:
             # without retention only the residuals that fell out of the newest versions are
             # dropped: a sweep that reads a few documents, not the whole history
-            report = self.repo.gc(keep_last=keep) if keep is not None else self.repo.gc_residuals()
+            report = self._gc_branch(keep) if keep is not None else self.repo.gc_residuals()
         except ConflictError as exc:
             log.info("retention: gc(keep_last=%s) put off to the next save: %s", keep, exc)
             return
@@ -620,6 +642,13 @@ class Checkpointer:
         self.last_gc = report
         log.info("retention: gc(keep_last=%s) kept %d versions, deleted %d snapshots, freed %d bytes",
                  keep, report.kept_snapshots, len(report.deleted.get("snapshots", [])), report.freed_bytes)
+
+    def _gc_branch(self, keep_last: int) -> Any:
+        """``repo.gc(keep_last=keep_last)`` that trims this branch alone: the store's gc
+        keeps the last N of *every* branch, so it runs over :class:`_OtherBranchesKept`."""
+        parts = self.repo._parts
+        scoped = replace(parts, refs=_OtherBranchesKept(parts, self.branch))
+        return GarbageCollector(scoped, keep_last).run()
 
     def close(self) -> None:
         """Wait for the last save and retention gc, then stop the threads. Idempotent; a
@@ -640,6 +669,39 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _OtherBranchesKept(Refs):
+    """The store's refs, plus every version in the history of every other branch (from its
+    head and its older ref files) as a tag, for a gc that trims one branch only.
+
+    Why a view: ``gc(keep_last=N)`` keeps the N newest versions of every branch and has no
+    per-branch form, but a tag keeps its version whatever N says. These tags exist only in
+    this view, never in the store; gc reads them while it marks, under its lease, when no
+    commit is in progress, so a version committed since is the branch's head and kept."""
+
+    def __init__(self, parts: Any, branch: str) -> None:
+        super().__init__(parts.storage)
+        self._history, self._branch = parts.history, branch
+
+    def tags(self) -> dict[str, str]:
+        kept: set[str] = set()
+        for name, seqs in self.branch_seqs().items():
+            if name != self._branch:
+                for seq in seqs:
+                    with contextlib.suppress(FileNotFoundError, InshrinkError):
+                        self._walk(self.read(branch_ref_path(name, seq)), kept)
+        return {**{f"{sid} (another branch's)": sid for sid in kept}, **super().tags()}
+
+    def _walk(self, start: str | None, kept: set[str]) -> None:
+        """Add ``start`` and its ancestors to ``kept``, up to one already there or missing."""
+        while start is not None and start not in kept:
+            try:
+                parent = self._history.get(start).parent
+            except InshrinkError:
+                return  # missing: gone before this gc (or a dangling ref, verify's to report)
+            kept.add(start)
+            start = parent
 
 
 def _retention(retention: Retention | None, max_to_keep: int | None,
