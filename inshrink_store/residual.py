@@ -133,22 +133,26 @@ class ResidualWriter:
             pieces.append(put.oid)
         self.arrays[path] = ResidualArray(dtype, tuple(original.shape), tuple(pieces), checksum)
 
-    def document(self) -> bytes:
+    def document(self, arrays: Mapping[str, ResidualArray] | None = None) -> bytes:
+        """The canonical document of ``arrays`` (by default the ones this session added)."""
+        chosen = self.arrays if arrays is None else arrays
         return canonical_json({"format": 1, "arrays": {
             p: {"dtype": a.dtype, "shape": list(a.shape), "pieces": list(a.pieces), "checksum": a.checksum}
-            for p, a in sorted(self.arrays.items())}})
+            for p, a in sorted(chosen.items())}})
 
-    def write(self, storage: Storage, keep_newest: int) -> ResidualRef | None:
-        """Store the document (before the snapshot that will name it); None if nothing was
-        quantized."""
-        if not self.arrays:
+    def write(self, storage: Storage, keep_newest: int,
+              arrays: Mapping[str, ResidualArray] | None = None) -> ResidualRef | None:
+        """Store the document of ``arrays`` (by default the ones this session added) before the
+        snapshot that will name it; None if there is nothing to list. ``arrays`` lets a commit
+        list exactly the entries that match its root tree (a rebase may write a second one)."""
+        chosen = self.arrays if arrays is None else arrays
+        if not chosen:
             return None
-        data = self.document()
+        data = self.document(chosen)
         rid = content_id(data)
         if not storage.exists_durably(residual_path(rid)):
             storage.write(residual_path(rid), data)
-        self.stored_bytes += len(data)
-        return ResidualRef(rid, keep_newest, self.stored_bytes, len(self.arrays))
+        return ResidualRef(rid, keep_newest, self.stored_bytes + len(data), len(chosen))
 
 
 def load(storage: Storage, rid: str) -> dict[str, ResidualArray]:

@@ -29,7 +29,7 @@ from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import NodeTree, RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parallel import map_in_order
 from inshrink_store.parts import StoreParts
-from inshrink_store.residual import META_KEY, ResidualRef, ResidualWriter
+from inshrink_store.residual import META_KEY, ResidualArray, ResidualRef, ResidualWriter
 from inshrink_store.writer import ArrayPlan, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
@@ -184,13 +184,9 @@ class WriteSession:
                 f"Expected metadata without the key {META_KEY!r}: the store names a version's restore residual "
                 "there. Got it in the metadata given instead; rename that key.")
         storage = self._parts.storage
-        if self.residual is not None:
-            if self.inherit:
-                self._inherit_residual()
-            ref = self.residual.write(storage, keep_residual)
-            if ref is not None:
-                metadata = {**metadata, META_KEY: ref.to_dict()}
         root = self._write_trees(self.view)
+        mine = _node_ids(self._parts.objects, root) if self.inherit and self.residual is not None else {}
+        metadata = self._with_residual(metadata, root, mine, self.parent, keep_residual)
         snap = Snapshot(root=root.id, parent=self.parent, time=utc_now(), message=message,
                         step=step, metrics=metrics, metadata=metadata)
         seq = self.head_seq + 1
@@ -207,36 +203,55 @@ class WriteSession:
                 head = self._parts.refs.head(self.branch)
                 assert head is not None
                 seq = head[0] + 1
-                root = self._rebased_root(head[1]) if self.inherit else root
-                snap = Snapshot(**{**snap.__dict__, "root": root.id, "parent": head[1], "time": utc_now()})
+                if self.inherit:  # new root: its residual follows each node to where it came from
+                    root = self._rebased_root(head[1])
+                    metadata = self._with_residual(metadata, root, mine, head[1], keep_residual)
+                snap = Snapshot(**{**snap.__dict__, "root": root.id, "parent": head[1], "time": utc_now(),
+                                   "metadata": metadata})
         else:
             raise ConflictError(f"Expected to commit to {self.branch!r}. Got {MAX_REBASES} lost races instead.")
         self.committed = self._parts.history.get(snap.id)
         self.abort()  # committed: the lease is no longer needed
         return self.committed
 
-    def _inherit_residual(self) -> None:
-        """Tensors this session inherited unchanged from its parent keep the parent's residual
-        entries (the same stored chunks need the same residual to come back exact)."""
-        assert self.residual is not None
-        if self.parent_view is None or self.parent is None:
-            return
-        ref = ResidualRef.from_metadata(self._parts.history.get(self.parent).metadata, self.parent)
-        if ref is None:
-            return
+    def _with_residual(self, metadata: Mapping[str, Any], root: RootTree, mine: Mapping[str, str],
+                       source: str | None, keep: int) -> dict[str, Any]:
+        """``metadata`` naming the residual of the version whose root tree is ``root`` (written
+        now, before its snapshot), or without one when no entry fits.
+
+        Why per root: every entry must match the stored tensor of the version that names it,
+        or an exact restore fails its checksum. An entry this session wrote fits where its node
+        (``mine``: node path -> :attr:`NodeTree.inline_id` of this session's own root) is
+        ``root``'s; an entry of ``source`` (the parent, or after a lost race the new head) fits
+        where ``source``'s node is ``root``'s. A rebase takes the head's nodes, so it takes the
+        head's entries for them, never the old parent's."""
+        out = {k: v for k, v in metadata.items() if k != META_KEY}
+        if self.residual is None:
+            return out
+        arrays = dict(self.residual.arrays)
+        if self.inherit:
+            final = _node_ids(self._parts.objects, root)
+            arrays = {p: a for p, a in arrays.items() if p in final and final[p] == mine.get(p)}
+            for path, array in self._source_residual(source, final).items():
+                arrays.setdefault(path, array)
+        ref = self.residual.write(self._parts.storage, keep, arrays)
+        return out if ref is None else {**out, META_KEY: ref.to_dict()}
+
+    def _source_residual(self, source: str | None, final: Mapping[str, str]) -> dict[str, ResidualArray]:
+        """The residual entries of version ``source`` for the nodes it shares with ``final``
+        (compared by what each node holds, :attr:`NodeTree.inline_id`, not how it is stored:
+        a version written before inline nodes keeps tree files for nodes a newer one inlines).
+        Nothing when ``source`` has no readable residual: those tensors are simply not exact."""
+        if source is None:
+            return {}
+        info = self._parts.history.get(source)
         try:
-            parent_arrays = residual_module.load(self._parts.storage, ref.id)
+            ref = ResidualRef.from_metadata(info.metadata, source)
+            arrays = residual_module.load(self._parts.storage, ref.id) if ref is not None else {}
         except InshrinkError:
-            return  # collected or unreadable: those tensors are simply not exact here
-        # compared by what each node holds (NodeTree.inline_id), not by how it is stored: a
-        # parent written before inline nodes keeps tree files for nodes this version inlines
-        root, trees = self.view.build_trees()
-        ours = {path: trees[tid].inline_id for path, tid in root.nodes.items()}
-        ours.update({path: tree.inline_id for path, tree in root.inline.items()})
-        theirs = {path: tree.inline_id for path, (_tid, tree) in self.parent_view.node_trees().items()}
-        for path, array in parent_arrays.items():
-            if path not in self.residual.arrays and path in ours and ours[path] == theirs.get(path):
-                self.residual.arrays[path] = array
+            return {}  # collected or unreadable: those tensors are simply not exact here
+        theirs = _node_ids(self._parts.objects, info.root)
+        return {p: a for p, a in arrays.items() if p in final and final[p] == theirs.get(p)}
 
     def _require_open(self) -> leases.HeldLease:
         if self.lease is None:
@@ -291,6 +306,14 @@ class WriteSession:
         for entries in merged_nodes.values():
             merged.entries.update(entries)
         return self._write_trees(merged)
+
+
+def _node_ids(objects: Any, root: RootTree | str) -> dict[str, str]:
+    """Node path -> :attr:`NodeTree.inline_id` of every node of a root tree (or its id): what
+    each node holds, however it is stored. A root this process just wrote is in the index
+    already (seeded), so nothing is read back."""
+    root_id = root if isinstance(root, str) else root.id
+    return {path: tree.inline_id for path, (_tid, tree) in SnapshotIndex.of(objects, root_id).node_trees().items()}
 
 
 def _by_node(entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
