@@ -194,7 +194,7 @@ class _Job:
     state: dict[str, Any]
     sensitivity: dict[str, Any]  # path -> |g*w| as numpy, over the last EMA window
     kinds: dict[str, str]  # path -> owning module's class name (layer types)
-    eval_model: Any  # a CPU copy of the model to evaluate candidates on (None: no eval_fn)
+    eval_model: Any  # a copy of the model on its own device to evaluate candidates on (None: no eval_fn)
     params: dict[str, str]  # optimizer/state/<i> -> model/<name> (joint pruning of the moments)
     step: int
     metrics: dict[str, float] | None
@@ -203,14 +203,19 @@ class _Job:
 
 
 class _QuantizedEval:
-    """``eval_fn`` on a CPU copy of the model with a candidate's values loaded.
+    """``eval_fn`` on a scratch copy of the model, on the model's own device, with a
+    candidate's values loaded.
 
-    ``evaluate(None)`` scores the copy as it is (the baseline); the unquantized weights
-    are kept once, at the first candidate, and put back after every evaluation."""
+    Why the model's device: an ``eval_fn`` feeds the model tensors where the user's model
+    lives (a CUDA model gets CUDA batches), and scoring a large model on the CPU takes seconds
+    per candidate. Why a copy: the loop trains the live model while the search runs in the
+    background. ``evaluate(None)`` scores the copy as it is (the baseline); after every
+    candidate the saved weights (``originals``, the host copy the save already made, so the
+    device holds one extra model, not two) are put back, even when ``eval_fn`` raises."""
 
-    def __init__(self, eval_fn: Callable[[Any], float], model: Any, dtypes: dict[str, str]) -> None:
-        self.eval_fn, self.model, self.dtypes = eval_fn, model, dtypes
-        self.originals: dict[str, Any] | None = None
+    def __init__(self, eval_fn: Callable[[Any], float], model: Any, dtypes: dict[str, str],
+                 originals: dict[str, Any]) -> None:
+        self.eval_fn, self.model, self.dtypes, self.originals = eval_fn, model, dtypes, originals
         #: wall seconds spent in ``eval_fn`` (values loaded in and out included), and its calls
         self.seconds = 0.0
         self.calls = 0
@@ -226,8 +231,6 @@ class _QuantizedEval:
     def _evaluate(self, plans: PlanSet | None) -> float:
         if plans is None:
             return float(self.eval_fn(self.model))
-        if self.originals is None:
-            self.originals = {n: t.clone() for n, t in self.model.state_dict().items()}
         quantized = dict(self.originals)
         for path, plan in plans.items():
             name = path[len("model/"):]
@@ -400,7 +403,7 @@ class Checkpointer:
         self._ema = {}
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in self.model.named_modules()
                  for p, _ in mod.named_parameters(recurse=False)}
-        eval_model = copy.deepcopy(self.model).to("cpu") if self.eval_fn is not None else None
+        eval_model = copy.deepcopy(self.model) if self.eval_fn is not None else None  # stays on its device
         copy_s = time.perf_counter() - start
         params = param_paths(self.model, self.optimizer) if self.optimizer is not None else {}
         job = _Job(state, sensitivity, kinds, eval_model, params, step, metrics, message, copy_s)
@@ -509,7 +512,7 @@ class Checkpointer:
                                     module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=job.params,
                                     optimizer_hyper=adam_hyper(job.state.get("optimizer")))
             if self.eval_fn is not None and job.eval_model is not None:
-                evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes)
+                evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"])
             # without a restore residual a restart resumes from what is stored: search the
             # policy's resume space, whose versions hold the tolerance over many restores
             policy = self.policy if self.exact_resume else self.policy.resuming()

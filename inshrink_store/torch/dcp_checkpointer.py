@@ -85,9 +85,11 @@ class DistributedCheckpointer:
         self.previous, self.last_record = record.config, record
         return str(metadata.storage_data["snapshot"])
 
-    def restore(self, ref: str = "main") -> int | None:
-        """Load ``ref`` into ``state`` on every rank (resharded to this run's layout); returns its step."""
-        reader = InshrinkStorageReader(self.url, ref, storage_options=self.storage_options)
+    def restore(self, ref: str | None = None) -> int | None:
+        """Load ``ref`` (default: the head of this checkpointer's ``branch``, which its saves
+        continue) into ``state`` on every rank (resharded to this run's layout); returns its step."""
+        reader = InshrinkStorageReader(self.url, self.branch if ref is None else ref,
+                                       storage_options=self.storage_options)
         torch.distributed.checkpoint.load(dict(self.state), storage_reader=reader, process_group=self.process_group)
         info = reader.info
         recorded = info.metadata.get("quantization")
@@ -101,7 +103,7 @@ class DistributedCheckpointer:
             return QuantizationRecord(None, policy.tolerance, policy.higher_is_better).to_dict()
         if self.eval_fn is None:
             return QuantizationRecord(policy.base, policy.tolerance, policy.higher_is_better).to_dict()
-        model = copy.deepcopy(self.eval_model).to("cpu")
+        model = copy.deepcopy(self.eval_model)  # on its own device, where eval_fn's batches are
         state = model.state_dict()
         if any(type(t).__name__ in ("DTensor", "ShardedTensor") for t in state.values()):
             raise InvalidInputError(
@@ -111,7 +113,8 @@ class DistributedCheckpointer:
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in model.named_modules()
                  for p, _ in mod.named_parameters(recurse=False)}
         candidates = Candidates(arrays, dtypes, {}, module_kinds=kinds, keep=policy.keep)
-        evaluate = _QuantizedEval(self.eval_fn, model, dtypes)
+        originals = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
+        evaluate = _QuantizedEval(self.eval_fn, model, dtypes, originals)
         decision = dataclasses.replace(policy, optimizer=None).decide(candidates, evaluate, previous=self.previous)
         return decision.record.to_dict()
 
