@@ -307,8 +307,10 @@ class Repository:
     def gc_residuals(self, *, dry_run: bool = False, stale_after: float = leases.STALE_AFTER, wait: float = 0.0,
                      on_wait: Callable[[str], None] | None = None) -> admin.GcReport:
         """Drop only the restore residuals no version keeps any more (outside the newest
-        ``exact_resume`` of every branch), reading a few documents instead of the whole
-        history; a full :meth:`gc` does this too. The same lease protocol as ``gc``."""
+        ``exact_resume`` of every branch), found by reading a few documents near the branch
+        heads; their pieces are deleted unless a committed version reaches them (a chunk can
+        be the same object as a piece), which reads the history's trees as gc does. A full
+        :meth:`gc` does this too. The same lease protocol as ``gc``."""
         collector = admin.GarbageCollector(self._parts, stale_after=stale_after, wait=wait, on_wait=on_wait,
                                            residuals_only=True)
         return collector.run(dry_run=dry_run)

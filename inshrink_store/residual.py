@@ -43,8 +43,9 @@ from inshrink_store.manifest import canonical_json, content_id, parse_document
 from inshrink_store.storage import Storage
 
 PIECE_BYTES = 4 << 20
-#: every piece object starts with this, so no array chunk can ever be a residual piece: a
-#: residual-only sweep may delete a dropped residual's pieces without marking every chunk
+#: every piece object starts with this, so most chunks are told apart by their first bytes;
+#: not all: a lossless float chunk is its raw bits, which may equal a piece (one object by
+#: content), so the residual-only sweep also keeps whatever a committed version reaches
 PIECE_MAGIC = b"IRP\x01"
 META_KEY = "residual"
 #: the most versions of a branch that keep their residual (``exact_resume`` is capped here)

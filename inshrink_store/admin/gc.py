@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,12 +155,7 @@ def gc(parts: StoreParts, keep_last: int | None = None, *, dry_run: bool = False
 def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *, dry_run: bool,
           stale_after: float) -> GcReport:
     live = reachable(parts, keep_last, progress=None)
-    keep_objects: set[str] = set()
-    for oid in live.objects:
-        try:
-            keep_objects.update(parts.objects.chain(oid))
-        except InshrinkError:
-            keep_objects.add(oid)
+    keep_objects = _with_bases(parts, live.objects)
     storage = parts.storage
     listing = storage.list("")
     deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "residuals": [], "objects": []}
@@ -198,14 +193,27 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
     return GcReport(dry_run, len(live.snapshots), deleted, freed, live.dangling)
 
 
+def _with_bases(parts: StoreParts, oids: Iterable[str]) -> set[str]:
+    """``oids`` and the delta bases each needs (an unreadable one: itself, gc keeps it)."""
+    keep: set[str] = set()
+    for oid in oids:
+        try:
+            keep.update(parts.objects.chain(oid))
+        except InshrinkError:
+            keep.add(oid)
+    return keep
+
+
 def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
     """Only the restore residuals no version keeps any more, and their pieces.
 
-    Cheap whatever the history's length: the kept residuals are found near the branch heads
+    The kept residuals are found near the branch heads
     (:func:`inshrink_store.residual.near_heads`), and a dropped document's pieces are deleted
-    unless a kept document lists them. A piece can be nothing else: every piece object starts
-    with :data:`~inshrink_store.residual.PIECE_MAGIC`, which no array chunk does, and that is
-    checked on the object itself before it is queued. Run under the gc lease like any gc, so
+    unless a kept document lists them, the object starts with
+    :data:`~inshrink_store.residual.PIECE_MAGIC`, and no committed version reaches it. Why the
+    last: objects are addressed by content, so a lossless float chunk whose raw bits equal a
+    piece (magic first) is the same object; when there is a piece to delete, the sweep marks
+    what every ref reaches, as gc does, and keeps it. Run under the gc lease like any gc, so
     the commit protocol's argument covers it (a residual becomes needed only by a commit)."""
     storage = parts.storage
     kept = residual.near_heads(parts.history, parts.refs.branches().values())
@@ -237,8 +245,19 @@ def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
         if head == residual.PIECE_MAGIC:
             deleted["objects"].append(path)
             sizes[path] = size
+    deleted["objects"] = _unreached(parts, deleted["objects"])
     freed = sum(sizes.get(p, 0) for group in deleted.values() for p in group)
     return GcReport(dry_run, len(kept), deleted, freed, [])
+
+
+def _unreached(parts: StoreParts, paths: list[str]) -> list[str]:
+    """The object ``paths`` no committed version reaches (chunks, kept pieces, their delta
+    bases). Only computed when there is something to delete: it reads every kept version's
+    trees, which a sweep with nothing to delete need not."""
+    if not paths:
+        return paths
+    kept = {object_path(oid) for oid in _with_bases(parts, reachable(parts, None).objects)}
+    return [path for path in paths if path not in kept]
 
 
 def _deltas_first(parts: StoreParts, oids: list[str]) -> list[str]:
