@@ -634,7 +634,8 @@ class Checkpointer:
         keep = None if self.retention is None else self.retention.max_to_keep
         try:
             # without retention only the residuals that fell out of the newest versions are
-            # dropped: a sweep that reads a few documents, not the whole history
+            # dropped; when there are pieces to drop the sweep marks every reachable object
+            # first (a piece can share its id with a committed chunk), so it reads the history
             report = self._gc_branch(keep) if keep is not None else self.repo.gc_residuals()
         except ConflictError as exc:
             log.info("retention: gc(keep_last=%s) put off to the next save: %s", keep, exc)
