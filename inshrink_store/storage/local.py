@@ -44,42 +44,46 @@ class LocalStorage(Storage):
         self._durability_lock = threading.Lock()
         self._sync_lock = threading.Lock()
 
-    def _inside(self, full: str) -> None:
+    def _inside(self, full: str, writing: bool = False) -> None:
         """Refuse a folder that a symlink leads out of the store's root.
 
         Every path we build is relative and checked, but the folders on disk are not ours
-        alone: ``objects/ab -> /etc`` would make a write land outside the store."""
+        alone: ``objects/ab -> /etc`` would make a write land outside the store. A write
+        checks every time (``writing``): a folder swapped for a link after this handle
+        first wrote into it must not take the next write out of the store, and below the
+        root that is one ``lstat`` per folder level (two for an object), against the
+        temp file, fsync and rename of the write itself. A read trusts a folder it found
+        inside once: a restore reads hundreds of objects from the same 256 folders, and
+        a read through a link writes nothing."""
         folder = os.path.dirname(full)
-        if folder in self._checked_folders:
+        if not writing and folder in self._checked_folders:
             return
-        if not self._linked_below_root(folder):
-            # no link between the root and the folder: it is the root's own subfolder
-            self._checked_folders.add(folder)
-            return
+        if self._linked_below_root(folder, trust_checked=not writing):
+            self._refuse_outward(folder)
+        self._checked_folders.add(folder)
+
+    def _refuse_outward(self, folder: str) -> None:
+        """Raise unless ``folder``, links resolved, is the store's root or inside it."""
         directory = os.path.realpath(folder)
         if self._real_root is None:
             self._real_root = os.path.realpath(self.root or ".")
         root = self._real_root
         if directory != root and not directory.startswith(root.rstrip(os.sep) + os.sep):
             raise IntegrityError(
-                f"Expected {os.path.dirname(full)!r} to be a folder inside the store {self.url!r}. "
+                f"Expected {folder!r} to be a folder inside the store {self.url!r}. "
                 f"Got a symlink that leads to {directory!r} instead; nothing was written there. "
                 "Remove the link (stores never create links)."
             )
-        # a folder found inside once is trusted for this handle's life: a restore reads
-        # hundreds of objects from the same 256 folders, and resolving each path costs
-        # several system calls (a link planted *after* the check is a live attacker on the
-        # disk, which no check at open time stops either)
-        self._checked_folders.add(folder)
 
-    def _linked_below_root(self, folder: str) -> bool:
+    def _linked_below_root(self, folder: str, trust_checked: bool = True) -> bool:
         """Whether a folder between the store's root and ``folder`` (itself included) is a
         symlink, or ``folder`` is not below the root as written (then the caller resolves it).
+        With ``trust_checked`` the folders this handle checked before are skipped (reads).
 
         Why not ``realpath`` alone: it checks every component from ``/`` down, six or more
         system calls per folder, and a fresh store's first save meets a new folder for
         nearly every object (a quarter of its non-coding CPU went there). Below the root
-        only the new components need one ``lstat`` each; the root itself may be a link
+        only the components need one ``lstat`` each; the root itself may be a link
         (it is resolved once, for the comparison)."""
         root = (self.root or ".").rstrip(os.sep) or os.sep
         if not folder.startswith(root + os.sep):
@@ -90,7 +94,7 @@ class LocalStorage(Storage):
         at = root
         for part in parts:
             at = os.path.join(at, part)
-            if at in self._checked_folders:
+            if trust_checked and at in self._checked_folders:
                 continue
             try:
                 mode = os.lstat(at).st_mode
@@ -175,7 +179,7 @@ class LocalStorage(Storage):
     def _write(self, path: str, data: bytes, exclusive: bool) -> None:
         full = self._full(path)
         with self._wrapped("write", path):
-            self._inside(full)  # before anything is created: a missing folder is made by the write
+            self._inside(full, writing=True)  # before anything is created: the write makes a missing folder
             if exclusive:
                 self.sync_folders()  # an exclusive create is a commit point: see sync_folders
             atomic_write(full, data, exclusive=exclusive)
