@@ -85,6 +85,9 @@ def init(
     }
     try:
         storage.create_exclusive(CONFIG_FILE, canonical_json(settings))
+    except FileNotFoundError:
+        storage.require_bucket()  # an object store's "no such file" on a write: its bucket is missing
+        raise
     except FileExistsError:
         if not exist_ok:
             raise AlreadyExistsError(

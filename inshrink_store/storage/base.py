@@ -176,8 +176,16 @@ class Storage:
         with self._wrapped("delete", path), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._full(path))
 
+    def require_bucket(self) -> None:
+        """Raise :class:`NotFoundError` when the bucket the store's URL names does not exist.
+
+        Why: in a missing bucket every read is "no such file" and every write fails, so
+        without this a user is told to ``inshrink init`` a store that cannot be made there.
+        A filesystem has no bucket: nothing to check (see ``ObjectStorage``)."""
+
     def require_exists(self, marker: str) -> None:
         if not self.exists(marker):
+            self.require_bucket()  # no store in a missing bucket: say the bucket, not `init`
             raise NotFoundError(
                 f"Expected an inshrink store at {self.url!r}. Got no {marker} there instead; "
                 f"create one with `inshrink init {self.url}`."

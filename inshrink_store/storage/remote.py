@@ -11,8 +11,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from inshrink_store.errors import StorageError
-from inshrink_store.storage.base import Storage
+from inshrink_store.errors import NotFoundError, StorageError
+from inshrink_store.storage.base import Storage, protocol_of
+
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs"})
 
 
 class ObjectStorage(Storage):
@@ -49,3 +51,21 @@ class ObjectStorage(Storage):
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         self._call("create", path, lambda: self.fs.pipe_file(self._full(path), data, mode="create"))
+
+    def require_bucket(self) -> None:
+        """One request for the bucket (``info``, not ``exists``: that answers False for a
+        closed endpoint too); only a backend that says "no such bucket" raises, any other
+        failure leaves the caller's error to be reported as it is. Only S3 and GCS URLs
+        name a bucket first; another protocol's first path part may be just a folder."""
+        bucket = self.root.split("/", 1)[0]
+        if protocol_of(self.url) not in _BUCKETED or not bucket:
+            return
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"Expected the bucket {bucket!r} of {self.url!r} to exist. Got no such bucket instead "
+                f"(bucket {bucket} does not exist); create the bucket first, or check the URL's spelling."
+            ) from None
+        except Exception:  # noqa: BLE001, S110 - only a diagnosis: the caller's error stands
+            pass
