@@ -992,7 +992,9 @@ def du(
     """Per version: logical bytes, new stored bytes, cumulative stored bytes, ratio (and, for a
     training state, the weights' and the optimizer's overall ratios apart)."""
     repo = _open(url)
-    rows = repo.du(ref, prefix)
+    # the whole store's accounting only where the rows are the whole of each version (no prefix)
+    summary = None if prefix or as_json else repo.du_summary(ref)
+    rows = summary.rows if summary is not None else repo.du(ref, prefix)
     # a training state's parts apart: the weights' and the optimizer's overall ratios
     parts = {} if prefix else {name: {r.snapshot: r for r in repo.du(ref, name + "/")}
                                for name in ("model", "optimizer")}
@@ -1012,9 +1014,25 @@ def du(
              *(_ratio(by_id[r.snapshot].cumulative_ratio) for by_id in parts.values()),
              *([_size(r.residual_bytes) if r.residual_bytes else "-"] if residuals else []))
     out.print(table)
+    if summary is not None:
+        out.print(_du_totals(summary))
     if residuals:
         _say(err, "exact resume: the restore residual each newest version keeps (in new stored; gc "
                   "collects it once the version is no longer among the newest)")
+
+
+def _du_totals(summary: Any) -> Table:
+    """`du`'s second table: every byte under the store counted once, so the total is what the
+    store's folders hold (the rows alone leave out, e.g., keyframes of deleted versions)."""
+    table = Table("where the bytes are", "stored")
+    for label, n in ((f"versions of {summary.ref} (new stored above)", summary.versions),
+                     ("delta bases no row counts (kept deltas need them)", summary.delta_bases),
+                     ("other refs (branches, tags, older ref files)", summary.other_refs),
+                     ("documents and refs (snapshots, settings, leases)", summary.metadata),
+                     ("unreferenced (the next gc deletes it)", summary.unreferenced),
+                     ("total under the store", summary.total)):
+        _row(table, label, _size(n))
+    return table
 
 
 @app.command()

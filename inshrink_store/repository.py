@@ -331,6 +331,12 @@ class Repository:
         (``prefix="model/"``: only the tensors under it)."""
         return admin.du(self._parts, ref, prefix)
 
+    def du_summary(self, ref: str = DEFAULT_BRANCH) -> admin.DuSummary:
+        """:meth:`du`'s rows for ``ref`` and where every other byte under the store is: the delta
+        bases they need that no row counts, other refs' versions, documents and refs, and what
+        the next gc collects; the parts add up to the bytes under the store."""
+        return admin.du_summary(self._parts, ref)
+
 
 def _read_settings(storage: Storage) -> dict[str, Any]:
     """``inshrink.json`` as a dict, or an IntegrityError naming the file and what is wrong."""

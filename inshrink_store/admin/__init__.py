@@ -4,12 +4,12 @@
 """
 
 from inshrink_store.admin.diff import DiffReport, TensorChange, diff
-from inshrink_store.admin.du import UsageRow, du, stored_bytes
+from inshrink_store.admin.du import DuSummary, UsageRow, du, du_summary, stored_bytes
 from inshrink_store.admin.gc import GarbageCollector, GcReport, gc
 from inshrink_store.admin.reachability import Reachable, reachable
 from inshrink_store.admin.verify import Problem, VerifyReport, verify
 
 __all__ = [
-    "DiffReport", "GarbageCollector", "GcReport", "Problem", "Reachable", "TensorChange", "UsageRow",
-    "VerifyReport", "diff", "du", "gc", "reachable", "stored_bytes", "verify",
+    "DiffReport", "DuSummary", "GarbageCollector", "GcReport", "Problem", "Reachable", "TensorChange", "UsageRow",
+    "VerifyReport", "diff", "du", "du_summary", "gc", "reachable", "stored_bytes", "verify",
 ]

@@ -1,15 +1,25 @@
-"""du: storage per version along a history, each byte counted where first used."""
+"""du: storage per version along a history, each byte counted where first used, and where
+every other byte under the store is (:func:`du_summary`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inshrink_store import residual
+from inshrink_store.admin.reachability import reachable, with_bases
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
-from inshrink_store.layout import OBJECTS, object_path, residual_path, tree_path
+from inshrink_store.layout import (
+    OBJECTS,
+    SNAPSHOTS,
+    classify,
+    object_path,
+    residual_path,
+    snapshot_path,
+    tree_path,
+)
 from inshrink_store.parts import StoreParts
 from inshrink_store.residual import ResidualRef
 
@@ -49,30 +59,112 @@ def du(parts: StoreParts, ref: str, prefix: str = "") -> list[UsageRow]:
     """Storage per version along ``ref``'s history, oldest first; bytes are counted where first used.
 
     ``prefix`` (e.g. ``"model/"``) counts only the tensors under it and no tree objects, so a
-    training state's weights and optimizer can be reported apart.
+    training state's weights and optimizer can be reported apart. What no row counts (delta
+    bases of deleted versions, other refs, documents, garbage) is in :func:`du_summary`.
     """
-    history = list(reversed(parts.history.walk(parts.resolve(ref))))
+    return _walk(parts, ref, prefix, parts.storage.list("")).rows
+
+
+@dataclass
+class DuSummary:
+    """Every byte under the store, each counted once: the parts add up to ``total``.
+
+    Why: the rows of :func:`du` count only what ``ref``'s history uses, so after
+    ``gc(keep_last=N)`` the keyframes that kept deltas still need (they belonged to deleted
+    versions), other branches' and tags' versions, the documents and what gc has yet to
+    collect were nowhere, and du reported less than the store held."""
+
+    ref: str
+    #: the rows' ``new_stored_bytes``: trees, chunks and residuals of ``ref``'s history
+    versions: int
+    #: delta bases the rows' deltas need that no row counts (a deleted version's keyframe)
+    delta_bases: int
+    #: trees, objects and residuals only other branches, tags or older ref files keep
+    other_refs: int
+    #: snapshot documents of kept versions, ref files, settings and leases
+    metadata: int
+    #: what no ref reaches, which the next ``gc`` deletes, and temp files of interrupted writes
+    unreferenced: int
+    rows: list[UsageRow] = field(default_factory=list, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.versions + self.delta_bases + self.other_refs + self.metadata + self.unreferenced
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ref": self.ref, "versions": self.versions, "delta_bases": self.delta_bases,
+                "other_refs": self.other_refs, "metadata": self.metadata,
+                "unreferenced": self.unreferenced, "total": self.total}
+
+
+def du_summary(parts: StoreParts, ref: str) -> DuSummary:
+    """:func:`du`'s rows for ``ref`` and where every other byte under the store is."""
     sizes = parts.storage.list("")
+    walked = _walk(parts, ref, "", sizes)
+    bases = {object_path(oid) for oid in with_bases(parts, walked.deltas)} - walked.paths
+    live = _live_paths(parts)
+    totals = dict.fromkeys(("versions", "delta_bases", "other_refs", "metadata", "unreferenced"), 0)
+    for path, size in sizes.items():
+        totals[_category(path, walked.paths, bases, live)] += size
+    totals["unreferenced"] += sum(size for size, _mtime in parts.storage.temp_files().values())
+    return DuSummary(ref, rows=walked.rows, **totals)
+
+
+def _category(path: str, counted: set[str], bases: set[str], live: set[str]) -> str:
+    """Which :class:`DuSummary` field the file at ``path`` belongs to (the first that fits)."""
+    if path in counted:
+        return "versions"
+    if path in bases:
+        return "delta_bases"
+    found = classify(path)
+    if found is None:  # refs, settings, leases
+        return "metadata"
+    if path not in live:
+        return "unreferenced"
+    return "metadata" if found[0] == SNAPSHOTS else "other_refs"
+
+
+def _live_paths(parts: StoreParts) -> set[str]:
+    """The paths a plain gc keeps: what any ref reaches, delta bases and kept residuals included."""
+    live = reachable(parts, None)
+    return ({snapshot_path(sid) for sid in live.snapshots} | {tree_path(tid) for tid in live.trees}
+            | {residual_path(rid) for rid in live.residuals}
+            | {object_path(oid) for oid in with_bases(parts, live.objects)})
+
+
+@dataclass
+class _Walked:
+    rows: list[UsageRow]
+    paths: set[str]  # every path a row counted
+    deltas: set[str]  # the delta objects among them, whose bases a row may not count
+
+
+def _walk(parts: StoreParts, ref: str, prefix: str, sizes: dict[str, int]) -> _Walked:
+    history = list(reversed(parts.history.walk(parts.resolve(ref))))
     seen: set[str] = set()
+    delta_ids: set[str] = set()
     rows: list[UsageRow] = []
     cumulative = cumulative_logical = 0
     for info in history:
         reader = parts.reader(info)
         new_bytes = new_objects = deltas = 0
         for tid in [info.root, *reader.index.root.nodes.values()]:
-            if tid not in seen and not prefix:
-                seen.add(tid)
+            if tree_path(tid) not in seen and not prefix:
+                seen.add(tree_path(tid))
                 new_bytes += sizes.get(tree_path(tid), 0)
         arrays = [a for p, a in reader.arrays().items() if p.startswith(prefix)]
         for array in arrays:
             for oid in array.chunk_ids.values():
-                if oid in seen:
+                path = object_path(oid)
+                if path in seen:
                     continue
-                seen.add(oid)
+                seen.add(path)
                 new_objects += 1
-                new_bytes += sizes.get(object_path(oid), 0)
+                new_bytes += sizes.get(path, 0)
                 with contextlib.suppress(IntegrityError, NotFoundError):
-                    deltas += parts.objects.header(oid).is_delta
+                    if parts.objects.header(oid).is_delta:
+                        deltas += 1
+                        delta_ids.add(oid)
         residual_bytes = 0 if prefix else _residual_bytes(parts, info, sizes, seen)
         new_bytes += residual_bytes
         logical = sum(a.logical_bytes for a in arrays)
@@ -80,8 +172,7 @@ def du(parts: StoreParts, ref: str, prefix: str = "") -> list[UsageRow]:
         cumulative_logical += logical
         rows.append(UsageRow(info.id, info.step, info.message, logical, new_bytes, cumulative,
                              cumulative_logical, new_objects, deltas, residual_bytes))
-
-    return rows
+    return _Walked(rows, seen, delta_ids)
 
 
 def _residual_bytes(parts: StoreParts, info: Any, sizes: dict[str, int], seen: set[str]) -> int:
@@ -94,14 +185,14 @@ def _residual_bytes(parts: StoreParts, info: Any, sizes: dict[str, int], seen: s
         arrays = residual.load(parts.storage, ref.id)
     except (IntegrityError, NotFoundError, FormatError):
         return 0
-    if ref.id in seen:  # a document two versions share counts once
+    if residual_path(ref.id) in seen:  # a document two versions share counts once
         return 0
-    seen.add(ref.id)
+    seen.add(residual_path(ref.id))
     total = sizes[residual_path(ref.id)]
     for array in arrays.values():
         for oid in array.pieces:
-            if oid not in seen:
-                seen.add(oid)
+            if object_path(oid) not in seen:
+                seen.add(object_path(oid))
                 total += sizes.get(object_path(oid), 0)
     return total
 

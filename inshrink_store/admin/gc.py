@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from inshrink_store import leases, residual
-from inshrink_store.admin.reachability import reachable
+from inshrink_store.admin.reachability import reachable, with_bases
 from inshrink_store.cas import HEADER_SIZE
 from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
 from inshrink_store.layout import (
@@ -155,7 +155,7 @@ def gc(parts: StoreParts, keep_last: int | None = None, *, dry_run: bool = False
 def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *, dry_run: bool,
           stale_after: float) -> GcReport:
     live = reachable(parts, keep_last, progress=None)
-    keep_objects = _with_bases(parts, live.objects)
+    keep_objects = with_bases(parts, live.objects)
     storage = parts.storage
     listing = storage.list("")
     deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "residuals": [], "objects": []}
@@ -191,17 +191,6 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
     listing = {**listing, **temp}
     freed = sum(listing.get(p, 0) for group in deleted.values() for p in group)
     return GcReport(dry_run, len(live.snapshots), deleted, freed, live.dangling)
-
-
-def _with_bases(parts: StoreParts, oids: Iterable[str]) -> set[str]:
-    """``oids`` and the delta bases each needs (an unreadable one: itself, gc keeps it)."""
-    keep: set[str] = set()
-    for oid in oids:
-        try:
-            keep.update(parts.objects.chain(oid))
-        except InshrinkError:
-            keep.add(oid)
-    return keep
 
 
 def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
@@ -256,7 +245,7 @@ def _unreached(parts: StoreParts, paths: list[str]) -> list[str]:
     trees, which a sweep with nothing to delete need not."""
     if not paths:
         return paths
-    kept = {object_path(oid) for oid in _with_bases(parts, reachable(parts, None).objects)}
+    kept = {object_path(oid) for oid in with_bases(parts, reachable(parts, None).objects)}
     return [path for path in paths if path not in kept]
 
 

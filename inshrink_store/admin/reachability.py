@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from inshrink_store import residual
@@ -109,3 +109,17 @@ def kept_residuals(parts: StoreParts, kept: set[str]) -> dict[str, str]:
     branch (each version says its own ``keep_newest``). Tags keep a version, not its residual."""
     return {rid: sid for rid, sid in residual.near_heads(parts.history, parts.refs.branches().values()).items()
             if sid in kept}
+
+
+def with_bases(parts: StoreParts, oids: Iterable[str]) -> set[str]:
+    """``oids`` and the delta bases each needs (an unreadable one: itself, gc keeps it).
+
+    Why: a delta reads its base, so whatever keeps a delta keeps its base too, even when the
+    version that first stored the base is gone."""
+    keep: set[str] = set()
+    for oid in oids:
+        try:
+            keep.update(parts.objects.chain(oid))
+        except InshrinkError:
+            keep.add(oid)
+    return keep
