@@ -43,6 +43,7 @@ from inshrink_store.policy.allocation import Allocation
 from inshrink_store.policy.config import MAX_LEVELS
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentRecord
 from inshrink_store.policy.record import QuantizationRecord
+from inshrink_store.storage import require_supported
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -258,7 +259,9 @@ def _open(url: str, create: bool = False) -> ins.Repository:
 
 
 def _remote_fs(url: str) -> tuple[Any, str]:
-    """The fsspec file system and root path of a remote URL, with the CLI's options."""
+    """The fsspec file system and root path of a remote URL, with the CLI's options (a scheme
+    no store supports is refused first, not tried)."""
+    require_supported(url)
     fs, root = fsspec.core.url_to_fs(url, **(_storage_options(url) or {}))
     return fs, root.rstrip("/")
 
@@ -503,7 +506,7 @@ def import_(
 
     With --bins (or --target-ratio / --max-error) the version records its quantization
     settings (shown by `inshrink log`)."""
-    from inshrink_store.torch import import_file
+    from inshrink_store.torch import load_checkpoint_file, save_state
 
     quantize = _check_allocation_options(target_ratio, max_error, bins, prune, protect, embedding_bins)
     if quantize is None:
@@ -521,6 +524,7 @@ def import_(
         raise ins.NotFoundError(
             f"Expected a checkpoint file at {str(file)!r}. Got no such file instead; check the path."
         )
+    state = load_checkpoint_file(file)  # a file that is no checkpoint fails before a store is created
     repo = _open_for_import(url, create)
     commit: dict[str, Any] = {}
     if quantize is not None:
@@ -530,9 +534,9 @@ def import_(
                   QuantizationRecord(config=quantize, tolerance=0.0, higher_is_better=True))
         commit["metadata"] = {"quantization": record.to_dict()}
     with progress_bar("import") as update:
-        info = import_file(repo, file, message=message or file.name, step=step, branch=branch,
-                           quantize=quantize, moments=DEFAULT_MOMENTS if compressed else None,
-                           progress=update, **commit)
+        info = save_state(repo, state, message=message or file.name, step=step, branch=branch,
+                          quantize=quantize, moments=DEFAULT_MOMENTS if compressed else None,
+                          progress=update, **commit)
     _say(out, info.id)
 
 

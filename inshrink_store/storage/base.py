@@ -22,11 +22,29 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 T = TypeVar("T")
 
 
+#: the schemes a store may live at. Why only these: a commit is an exclusive create, which a
+#: local disk (a link), memory (a lock) and S3 and GCS (a conditional put the server decides)
+#: make atomic; another fsspec backend would fail late (ftp://, http://: a connection error
+#: that names no cause) or create racily
+SUPPORTED_PROTOCOLS = ("file", "local", "memory", "s3", "s3a", "gs", "gcs")
+SUPPORTED_URLS = "a file path (or file://), memory://, s3:// (or s3a://) or gs:// (or gcs://)"
+
+
 def protocol_of(url: str) -> str:
     return url.split("://", 1)[0] if "://" in url else "file"
 
 
+def require_supported(url: str) -> None:
+    """Refuse a URL whose scheme no backend here supports, before anything connects."""
+    protocol = protocol_of(url)
+    if protocol not in SUPPORTED_PROTOCOLS:
+        raise InvalidInputError(
+            f"Expected a store URL that is {SUPPORTED_URLS}. Got {url!r} instead: {protocol}:// is not "
+            "supported (a store needs an atomic exclusive create to commit); use one of those.")
+
+
 def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    require_supported(url)
     protocol = protocol_of(url)
     if protocol in _EXTRAS:
         # Refs are found by listing, and another writer may add one at any moment:

@@ -373,12 +373,36 @@ def _flat_state(reader: Any, parts: list[str], device: Any,
     return out.get("", out)
 
 
-def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a ``.safetensors`` or ``.pt``/``.pth`` file as ``{"model": ..., ["optimizer": ...]}``."""
+#: what a checkpoint file may be, for the errors that say what is read
+CHECKPOINT_FORMATS = ".safetensors, or a torch.save file (.pt, .pth, .bin; zip or legacy)"
+
+
+def checkpoint_format(path: str | os.PathLike[str]) -> str:
+    """``"safetensors"`` or ``"torch"``, from the file's first bytes, not its name: a text file
+    named ``.pt`` would otherwise reach torch's unpickler, whose errors (``KeyError: 101``, or
+    advice to load with ``weights_only=False``) say nothing a user can act on. FormatError
+    naming the file when it is neither."""
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"Expected a checkpoint file. Got {str(path)!r}, which does not exist.")
-    if path.suffix == ".safetensors":
+    with path.open("rb") as f:
+        head = f.read(9)
+    size = path.stat().st_size
+    if head[:4] == b"PK\x03\x04" or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return "torch"  # torch.save's zip archive, or its legacy pickle (protocol 2..5)
+    if len(head) == 9 and head[8:9] == b"{" and 8 < int.from_bytes(head[:8], "little") + 8 <= size:
+        return "safetensors"  # an 8-byte header length, then the JSON header
+    raise FormatError(
+        f"Expected a checkpoint file: {CHECKPOINT_FORMATS}. Got {str(path)!r} instead, which is "
+        f"neither (it starts with {head[:8]!r}): it is not a checkpoint this tool reads; import the "
+        "checkpoint file itself.")
+
+
+def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``.safetensors`` or ``torch.save`` file as ``{"model": ..., ["optimizer": ...]}``
+    (the format from its content, :func:`checkpoint_format`)."""
+    path = Path(path)
+    if checkpoint_format(path) == "safetensors":
         from safetensors.torch import load_file
 
         try:
@@ -388,11 +412,7 @@ def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError for anything that would execute code
-        raise FormatError(
-            f"Expected {str(path)!r} to hold tensors, dicts and plain values loadable with "
-            f"torch.load(weights_only=True). Got an error instead ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}). inshrink never unpickles code."
-        ) from exc
+        raise _unreadable_torch_file(path, exc) from None
     if isinstance(obj, Mapping) and ("model" in obj or "optimizer" in obj):
         return dict(obj)
     if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -403,6 +423,27 @@ def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         f"Expected {str(path)!r} to hold a state_dict or a dict with 'model'/'optimizer'. "
         f"Got {type(obj).__name__} instead."
     )
+
+
+def _unreadable_torch_file(path: Path, exc: Exception) -> FormatError:
+    """Why torch.load(weights_only=True) refused ``path``, in our words: torch's message
+    advises loading with ``weights_only=False``, which would run the file's code; that
+    advice is never relayed. (Told by the class name: no pickle module here.)"""
+    import re
+
+    if type(exc).__name__ == "UnpicklingError":
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"an object of class {found.group(1)}" if found else "objects other than tensors and plain values"
+        return FormatError(
+            f"Expected {str(path)!r} to hold only tensors, dicts, lists and plain values. Got {what} "
+            "instead, which loading would have to run code to build: inshrink never unpickles code; "
+            "save just the state dicts, e.g. torch.save({'model': model.state_dict(), "
+            "'optimizer': optimizer.state_dict()}, path).")
+    lines = [line for line in str(exc).splitlines() if line.strip() and "weights_only" not in line]
+    return FormatError(
+        f"Expected {str(path)!r} to be a readable torch.save file. Got {type(exc).__name__}"
+        f"{': ' + lines[0][:200] if lines else ''} instead: the file is damaged or truncated; save or "
+        f"download it again (formats read: {CHECKPOINT_FORMATS}).")
 
 
 def import_file(repo: Any, path: str | os.PathLike[str], *, quantize: Any = None, moments: Any = None,
