@@ -549,18 +549,31 @@ def log(
 ) -> None:
     """Versions of a branch, newest first: time, step, message, metrics."""
     entries = _open(url).log(branch, limit=limit)  # reopened below for the residuals (cached)
-    if as_json:
-        _json([e.to_dict() for e in entries])
-        return
     repo = _open(url)
-    table = Table("snapshot", "time", "step", "message", "metrics", "config", "search", "moments", "exact")
+    tags = _tags_by_snapshot(repo)
+    if as_json:
+        _json([{**e.to_dict(), "tags": tags.get(e.id, [])} for e in entries])
+        return
+    tagged = any(e.id in tags for e in entries)  # the column only where a version shown is tagged
+    table = Table("snapshot", *(["tags"] if tagged else []), "time", "step", "message", "metrics", "config",
+                  "search", "moments", "exact")
     for e in entries:
         metrics = " ".join(f"{k}={_number(v)}" for k, v in e.metrics.items())
         cfg, search = _quantization_summary(e.metadata.get("quantization"))
-        _row(table, e.id[:12], e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
+        _row(table, e.id[:12], *([", ".join(tags.get(e.id, [])) or "-"] if tagged else []),
+             e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
              e.message, metrics, cfg, search, _moments_summary(e.metadata.get("moments")),
              _exact_summary(repo, e))
     out.print(table)
+
+
+def _tags_by_snapshot(repo: ins.Repository) -> dict[str, list[str]]:
+    """Snapshot id -> its tags, sorted: `log` marks the versions a tag keeps (a Checkpointer's
+    ``keep-<step>`` and ``best-<step>`` among them) through gc."""
+    out: dict[str, list[str]] = {}
+    for name, sid in sorted(repo.tags().items()):
+        out.setdefault(sid, []).append(name)
+    return out
 
 
 def _exact_summary(repo: ins.Repository, info: Any) -> str:

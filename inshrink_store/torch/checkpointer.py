@@ -10,10 +10,11 @@ makes the next save delta-code against it, so the chain survives a failure.
 
 ``extra_state`` objects (an LR scheduler, :class:`RNGState`, a sampler) and the ``extra``
 of each save travel in the same version under ``extra/``: tensors and JSON scalars, no
-pickle. A :class:`Retention` tags the versions kept for good (``keep-<step>``) and, after
-each commit, runs a gc that keeps the ``max_to_keep`` newest versions of the Checkpointer's
-branch (every other branch keeps its whole history) on a background thread; a gc that a
-commit in progress refuses is only logged and runs again after the next save.
+pickle. A :class:`Retention` tags the versions kept for good (``keep-<step>``) and the
+best by a metric (``best-<step>``, moved as better ones come) and, after each commit, runs a
+gc that keeps the ``max_to_keep`` newest versions of the Checkpointer's branch (every other
+branch keeps its whole history) on a background thread; a gc that a commit in progress
+refuses is only logged and runs again after the next save.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import random
+import re
 import threading
 import time
 import warnings
@@ -94,14 +97,23 @@ class Retention:
 
     ``max_to_keep``: the newest versions of the branch kept (a gc after every commit).
     ``keep_every_n_steps``: a version whose step is a multiple of it is also tagged
-    ``keep-<step>`` (``keep-<branch>-<step>`` off ``main``) and so kept for good. Tags are
-    refs: every tag, yours included, keeps its version whatever this says. Only this
-    branch is trimmed: every version in the history of another branch is kept, since
+    ``keep-<step>`` (``keep-<branch>-<step>`` off ``main``) and so kept for good.
+    ``keep_best`` with ``metric`` (and ``mode``, ``"min"`` or ``"max"``): the ``keep_best``
+    versions with the best ``metrics[metric]`` of ``save(step, metrics=...)`` are tagged
+    ``best-<step>`` (``best-<branch>-<step>`` off ``main``); a version that drops out of them
+    loses its tag, so gc collects it unless it is among the newest. A version without the
+    metric (or with NaN) is never best; a tie keeps the earlier version. The ``best-`` tags of
+    the branch are the Retention's: a restarted run ranks against them, and moves or deletes
+    them. Tags are refs: every tag, yours included, keeps its version whatever this says. Only
+    this branch is trimmed: every version in the history of another branch is kept, since
     another run (or a person) owns it.
     """
 
     max_to_keep: int
     keep_every_n_steps: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: str = "min"
 
     def __post_init__(self) -> None:
         if not _positive_int(self.max_to_keep):
@@ -112,6 +124,33 @@ class Retention:
             raise InvalidInputError(
                 f"Expected keep_every_n_steps to be an int >= 1 or None. Got {self.keep_every_n_steps!r} "
                 "instead; e.g. Retention(max_to_keep=3, keep_every_n_steps=1000).")
+        self._check_best()
+
+    def _check_best(self) -> None:
+        """keep_best, metric and mode go together: a metric alone would rank nothing."""
+        example = "e.g. Retention(max_to_keep=3, keep_best=2, metric='val_loss', mode='min')"
+        if self.mode not in ("min", "max"):
+            raise InvalidInputError(
+                f"Expected mode to be 'min' or 'max' (whether a lower or a higher metric is better). Got "
+                f"{self.mode!r} instead; {example}.")
+        if self.keep_best is None:
+            if self.metric is not None:
+                raise InvalidInputError(
+                    f"Expected keep_best with metric={self.metric!r}. Got none instead: pass keep_best=k to "
+                    f"keep the k best versions by it; {example}.")
+            return
+        if not _positive_int(self.keep_best):
+            raise InvalidInputError(
+                f"Expected keep_best to be an int >= 1 (the best versions kept by metric) or None. Got "
+                f"{self.keep_best!r} instead; {example}.")
+        if self.metric is None:
+            raise InvalidInputError(
+                f"Expected a metric with keep_best={self.keep_best!r}. Got none instead: name the key of "
+                f"save(step, metrics={{...}}) to rank by; {example}.")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise InvalidInputError(
+                f"Expected metric to be a non-empty str (a key of save(step, metrics={{...}})). Got "
+                f"{self.metric!r} instead; {example}.")
 
     def tag_for(self, step: int | None, branch: str = "main") -> str | None:
         """The tag that keeps the version of ``step`` for good, or None if none does."""
@@ -119,6 +158,28 @@ class Retention:
         if n is None or step is None or step % n:
             return None
         return f"keep-{step}" if branch == "main" else f"keep-{branch}-{step}"
+
+    def best_tag_for(self, step: int, branch: str = "main") -> str:
+        """The tag that keeps the version of ``step`` while it is among the best."""
+        return f"{self._best_prefix(branch)}{step}"
+
+    def best_tags(self, tags: Mapping[str, str], branch: str = "main") -> dict[str, str]:
+        """The tags among ``tags`` (name -> snapshot id) that :meth:`best_tag_for` names on ``branch``."""
+        pattern = re.compile(re.escape(self._best_prefix(branch)) + r"-?[0-9]+")
+        return {name: sid for name, sid in tags.items() if pattern.fullmatch(name)}
+
+    def value(self, metrics: Mapping[str, float]) -> float | None:
+        """The metric a version is ranked by: None when it has none (or NaN), so it is never best."""
+        value = metrics.get(self.metric) if self.metric is not None else None
+        return None if value is None or math.isnan(value) else float(value)
+
+    def sort_key(self, value: float) -> float:
+        """Ascending means best first, whatever the mode."""
+        return value if self.mode == "min" else -value
+
+    @staticmethod
+    def _best_prefix(branch: str) -> str:
+        return "best-" if branch == "main" else f"best-{branch}-"
 
 
 class RNGState:
@@ -325,6 +386,8 @@ class Checkpointer:
         self._closed = False
         # retention: tags not yet created (gc waits for them) and the gc thread's state
         self._untagged: list[tuple[str, str]] = []
+        # keep_best: snapshot id -> (metric, step), or None without the metric (read once a run)
+        self._metric_values: dict[str, tuple[float, int | None] | None] = {}
         # gc runs after commits for retention, and to collect restore residuals that fell out
         # of the newest exact_resume versions
         self._gc_pool = (ThreadPoolExecutor(1, thread_name_prefix="inshrink-gc")
@@ -570,14 +633,70 @@ class Checkpointer:
         """After a commit: tag it if it is kept for good, then ask for a gc. The commit has
         happened, so nothing here raises: what fails is logged and tried after the next save."""
         assert self.retention is not None
-        name = self.retention.tag_for(info.step, self.branch)
-        if name is not None:
-            self._untagged.append((name, info.id))
+        for name in (self.retention.tag_for(info.step, self.branch), self._best_tag(info)):
+            if name is not None:
+                self._untagged.append((name, info.id))
         self._untagged = [(n, sid) for n, sid in self._untagged if not self._tag(n, sid)]
+        self._trim_best()
         if self._untagged:  # a gc now could collect a version a missing tag must keep
             log.info("retention: gc put off until %s exist", ", ".join(n for n, _ in self._untagged))
             return
         self._request_gc()
+
+    def _best_tag(self, info: Any) -> str | None:
+        """``info``'s best tag if it ranks among the ``keep_best`` best tagged so far (None: not
+        asked for, no metric, or not better than the k-th). When the tagged ones cannot be read
+        it is tagged anyway: a tag too many is safe, and the next trim ranks it."""
+        retention = self.retention
+        assert retention is not None
+        value = retention.value(info.metrics) if retention.keep_best is not None else None
+        if retention.keep_best is None or value is None:
+            return None
+        self._metric_values[info.id] = (value, info.step)
+        name = retention.best_tag_for(info.step, self.branch)
+        try:
+            ranked = self._ranked_best()
+        except (InshrinkError, OSError) as exc:
+            log.warning("retention: could not rank %s (%s); tagging it until the next save ranks it", name, exc)
+            return name
+        ranked = [r for r in ranked if r[2] != info.id]
+        if len(ranked) >= retention.keep_best and retention.sort_key(value) >= ranked[retention.keep_best - 1][0]:
+            return None
+        return name
+
+    def _trim_best(self) -> None:
+        """Delete the best tags of this branch beyond the ``keep_best`` best, so gc collects
+        those versions (unless another ref keeps them or they are among the newest). A failure
+        is logged: the tag keeps its version a while longer and the next save trims again."""
+        retention = self.retention
+        assert retention is not None
+        if retention.keep_best is None:
+            return
+        try:
+            for _key, name, sid in self._ranked_best()[retention.keep_best:]:
+                self.repo.delete_tag(name)
+                log.info("retention: deleted tag %s -> %s (no longer among the %d best by %s)",
+                         name, sid[:12], retention.keep_best, retention.metric)
+        except (InshrinkError, OSError) as exc:
+            log.warning("retention: could not trim the best tags (%s); trying again after the next save", exc)
+
+    def _ranked_best(self) -> list[tuple[float, str, str]]:
+        """This branch's best tags as (sort key, tag, snapshot id), best first; a tie keeps the
+        earlier step. A tag on a version without the metric is left out (and left alone): the
+        Retention never made it."""
+        retention = self.retention
+        assert retention is not None
+        ranked = []
+        for name, sid in retention.best_tags(self.repo.tags(), self.branch).items():
+            if sid not in self._metric_values:
+                info = self.repo.snapshot(sid)
+                value = retention.value(info.metrics)
+                self._metric_values[sid] = None if value is None else (value, info.step)
+            known = self._metric_values[sid]
+            if known is not None:
+                ranked.append((retention.sort_key(known[0]), known[1], name, sid))
+        ranked.sort(key=lambda r: (r[0], r[1] if r[1] is not None else 0, r[2]))
+        return [(key, name, sid) for key, _step, name, sid in ranked]
 
     def _tag(self, name: str, snapshot_id: str) -> bool:
         try:
