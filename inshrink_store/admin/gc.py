@@ -41,6 +41,17 @@ class GcReport:
     #: refs naming a snapshot that does not exist: reported (see `inshrink verify`), never fatal
     dangling: list[str] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        """Counts and bytes, two example paths: a gc deletes thousands of paths, and the full
+        lists (in ``deleted``) made ``ck.last_gc`` in a notebook a screen of object names."""
+        counts = ", ".join(f"{len(paths)} {group}" for group, paths in self.deleted.items() if paths) or "nothing"
+        examples = [p for paths in self.deleted.values() for p in paths[:2]][:2]
+        shown = f" (e.g. {', '.join(examples)})" if examples else ""
+        more = ", ..." if len(self.dangling) > 1 else ""
+        dangling = f", dangling: {len(self.dangling)} ({self.dangling[0]}{more})" if self.dangling else ""
+        return (f"GcReport(dry_run={self.dry_run}, kept_snapshots={self.kept_snapshots}, "
+                f"freed_bytes={self.freed_bytes}, deleted: {counts}{shown}{dangling})")
+
     def to_dict(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "kept_snapshots": self.kept_snapshots,
                 "deleted": {k: len(v) for k, v in self.deleted.items()}, "freed_bytes": self.freed_bytes,
