@@ -738,7 +738,7 @@ def show(
 @app.command()
 def diff(
     url: str, ref_a: str, ref_b: str,
-    values: Annotated[bool, _flag("--values", help="Also read both versions: max abs and relative L2 change.")] = False,
+    values: Annotated[bool, _flag("--values", help="Also read both versions: max abs and relative L2 change (integer, bool and byte tensors: whether their bytes changed).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Tensors added, removed, changed and unchanged between two versions."""
@@ -757,10 +757,18 @@ def diff(
             continue
         fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
         _row(table, t.path, t.status, f"{t.chunks_changed}/{t.chunks_total}", _size(t.new_bytes),
-             t.storage_b or "-", fmt(t.max_abs_change), fmt(t.rel_l2_change))
+             t.storage_b or "-", *_value_cells(t, fmt))
     out.print(table)
     counts = report.to_dict()["counts"]
     _say(out, " ".join(f"{k}: {v}" for k, v in counts.items()) + f"  new bytes: {_size(report.new_bytes)}")
+
+
+def _value_cells(t: Any, fmt: Callable[[float | None], str]) -> tuple[str, str]:
+    """`diff`'s max |Δ| and rel L2 Δ cells; an integer, bool or byte tensor (an RNG state) gets
+    only whether its bytes changed: a distance between such values means nothing."""
+    if t.bytes_changed is None:
+        return fmt(t.max_abs_change), fmt(t.rel_l2_change)
+    return "-", "bytes changed" if t.bytes_changed else "same bytes"
 
 
 EXPORT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}

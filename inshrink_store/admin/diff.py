@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from inshrink_store import dtypes
 from inshrink_store.layout import OBJECTS, object_path
 from inshrink_store.parts import StoreParts
 from inshrink_store.reader import SnapshotReader
@@ -30,6 +31,9 @@ class TensorChange:
     storage_b: str | None = None
     max_abs_change: float | None = None
     rel_l2_change: float | None = None
+    #: with ``values``, for integer, bool and byte tensors (an RNG state, a step counter) instead
+    #: of the two figures above: whether any byte differs (their distances mean nothing)
+    bytes_changed: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -89,10 +93,23 @@ def diff(parts: StoreParts, ref_a: str, ref_b: str, *, values: bool = False,
         for i, change in enumerate(both):
             # an unchanged tensor has b's very chunks: read it once
             other = None if change.status == "unchanged" else b
-            change.max_abs_change, change.rel_l2_change = _value_change(a, other, change.path)
+            if _exact(change.dtype_a) and change.dtype_a == change.dtype_b:
+                change.bytes_changed = other is not None and _bytes_differ(a, other, change.path)
+            else:
+                change.max_abs_change, change.rel_l2_change = _value_change(a, other, change.path)
             if progress:
                 progress(change.path, i + 1, len(both))
     return DiffReport(a.id, b.id, out)
+
+
+def _exact(dtype: str | None) -> bool:
+    """Integer, bool and byte dtypes: compared byte for byte, never by distance."""
+    entry = dtypes.REGISTRY.get(dtype or "")
+    return entry is not None and entry.kind in ("int", "uint", "bool")
+
+
+def _bytes_differ(a: SnapshotReader, b: SnapshotReader, path: str) -> bool:
+    return not np.array_equal(a.read(path), b.read(path))
 
 
 def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tuple[float, float]:
