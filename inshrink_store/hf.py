@@ -1,0 +1,312 @@
+"""Hugging Face ``Trainer`` integration: every save of a Trainer is a version of a store.
+
+:class:`InshrinkCallback` is a ``transformers.TrainerCallback``. At each of the Trainer's
+save events (``on_save``: ``save_strategy`` and ``save_steps`` decide when) it commits one
+version through a :class:`~inshrink_store.torch.Checkpointer` made for the Trainer's own
+model and optimizer:
+
+- ``model/`` and ``optimizer/``: the state dicts (compressed or lossless, as the
+  Checkpointer's options say);
+- ``extra/scheduler`` and ``extra/rng``: the LR scheduler's state and the RNG states
+  (:class:`~inshrink_store.torch.RNGState`), as tensors and JSON scalars;
+- ``extra/trainer_state``: the ``TrainerState`` (global step, epoch, log history, best
+  metric, stateful callbacks) as the JSON text HF writes to ``trainer_state.json``;
+- the version's step is the global step, its metrics the numbers logged at that step.
+
+Nothing is pickled, and reading a version never unpickles anything.
+
+**Resuming** is ``trainer.train(resume_from_checkpoint=callback.resume_path())``. Why this
+shape: the Trainer decides where a resumed run starts (the epoch, the batches to skip, the
+global step) from a checkpoint *folder*, before any callback runs, in local variables of its
+loop; a callback restoring state in ``on_train_begin`` alone would train the skipped
+batches again. Exporting a whole HF checkpoint folder from the store would write
+``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth``: pickles, and a second copy of the
+largest part of the state. So :meth:`InshrinkCallback.resume_path` writes a minimal folder,
+``trainer_state.json`` (from the version) and ``model.safetensors`` (the Trainer requires a
+weights file), and arms the callback. The Trainer fast-forwards its loop from that folder
+and, finding no optimizer, scheduler or RNG file there, leaves them to the callback, which
+restores them from the store: model, optimizer and scheduler in ``on_train_begin`` (through
+``Checkpointer.restore``, so the next versions are children of the resumed one), and the
+RNG states at the very point where the Trainer would have loaded its ``rng_state.pth`` (the
+first ``on_epoch_begin`` for a version saved at the end of an epoch, else the first
+``on_step_begin``, once the batches to skip are drawn). The folder is deleted as soon as
+the Trainer has read it. ``resume_path()`` returns None while the branch has no version,
+so one script serves the first start and every restart.
+
+**What a resume gives back.** With ``lossless=True``, and with the default compressed
+mode resuming from the branch's newest version (its restore residual, ``exact_resume=1``),
+the model, optimizer, scheduler and RNG states come back bit-exact: the resumed run is the
+uninterrupted run, loss for loss and weight for weight, wherever the Trainer's own resume
+is (a data collator drawing random numbers as batches are fetched, MLM masking for one,
+draws them before the RNG states are restored, in HF's resume as in this one). Resuming a
+compressed store from an older version loads its stored values (quantized weights within
+the policy's tolerance, moments checked by the update they drive): training goes on from
+there, close to but not bit-identical with the uninterrupted run.
+
+Single process only: a distributed Trainer (``world_size > 1``) is refused; use
+:class:`~inshrink_store.torch.DistributedCheckpointer` there. The Trainer still writes its
+own ``checkpoint-N`` folders beside the store (``save_total_limit`` trims them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from numbers import Real
+from typing import Any
+
+from inshrink_store.errors import InvalidInputError, NotFoundError, require
+from inshrink_store.repository import open as open_repository
+from inshrink_store.torch import Checkpointer, RNGState, load_state, save_safetensors
+
+transformers = require("transformers", "hf")
+require("accelerate", "hf")  # the Trainer's own dependency: refused without it, name our extra
+_TrainerCallback: Any = transformers.TrainerCallback
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TRAINER_STATE", "InshrinkCallback"]
+
+#: where a version keeps the Trainer's state (the JSON text of ``trainer_state.json``)
+TRAINER_STATE = "extra/trainer_state"
+_RESERVED = ("scheduler", "rng", "trainer_state")
+#: the Checkpointer keywords the callback sets itself (from the Trainer's objects)
+_OWN = ("repo", "model", "optimizer")
+_POLICY_KEYWORDS = ("tolerance", "higher_is_better", "space", "optimizer_policy")
+
+
+class InshrinkCallback(_TrainerCallback):
+    """Saves each of the Trainer's checkpoints as a version of the store at ``url``.
+
+    ``url``: a path, ``memory://``, ``s3://`` or ``gs://`` URL (created if nothing is there),
+    or an open :class:`~inshrink_store.Repository`. ``options`` are the
+    :class:`~inshrink_store.torch.Checkpointer`'s keywords (``lossless=True``, ``eval_fn=``,
+    ``policy=``, ``max_to_keep=``, ``branch=``, ``exact_resume=``, ``background=``, ...),
+    checked here, at construction, rather than when training starts. ``every`` defaults to
+    the Trainer's ``save_steps`` with ``save_strategy="steps"``, so the gradient EMA that
+    guides a compressed save's search runs only over the batches before each save (with
+    another strategy there is no EMA, and pruning goes by magnitude, unless ``every=`` is given).
+    ``extra_state`` adds objects of your own to every version; ``scheduler``, ``rng`` and
+    ``trainer_state`` are the callback's names.
+
+    See the module docstring for how a resume works and what it gives back."""
+
+    def __init__(self, url: Any, **options: Any) -> None:
+        _check_options(options)
+        self.repo = url if _is_repository(url) else open_repository(os.fspath(url), create=True)
+        self.options = options
+        self.branch: str = options.get("branch", "main")
+        #: the Checkpointer of the current ``train()`` call (None before the first one)
+        self.checkpointer: Checkpointer | None = None
+        self._resume: _Resume | None = None
+        self._rng: Mapping[str, Any] | None = None  # RNG states still to restore
+        self._rng_at_epoch = False
+
+    # -- resuming ------------------------------------------------------------------------
+    def resume_path(self, ref: str | None = None, *, tmp_dir: str | None = None) -> str | None:
+        """A folder to pass as ``trainer.train(resume_from_checkpoint=...)``: the version's
+        ``trainer_state.json`` and ``model.safetensors``, in a new temporary folder (under
+        ``tmp_dir`` if given) that the callback deletes once the Trainer has read it; the
+        rest of the state comes from the store (module docstring). ``ref``: a branch, tag,
+        snapshot id or ``"main~2"``; None is the head of the callback's branch, and then a
+        branch without versions returns None (a fresh start). A save of this callback still
+        in flight is committed first, so the head is the newest version."""
+        self.close()
+        snapshot_id = self._resolve(ref)
+        if snapshot_id is None:
+            return None
+        trainer_state = _trainer_state_json(self.repo, snapshot_id)
+        folder = tempfile.mkdtemp(prefix="inshrink-resume-", dir=tmp_dir)
+        try:
+            with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
+                f.write(trainer_state)
+            weights = load_state(self.repo, snapshot_id, prefix="model")
+            save_safetensors(_untied(weights), os.path.join(folder, "model.safetensors"))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._drop_folder()
+        step = json.loads(trainer_state).get("global_step")
+        self._resume = _Resume(snapshot_id, folder, step)
+        log.info("resume from %s (step %s) through %s", snapshot_id[:12], step, folder)
+        return folder
+
+    def _resolve(self, ref: str | None) -> str | None:
+        if ref is not None:
+            return str(self.repo.resolve(ref))
+        head = self.repo.branches().get(self.branch)
+        return None if head is None else str(head)
+
+    # -- the Trainer's events --------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Make this run's Checkpointer; when armed by :meth:`resume_path`, restore model,
+        optimizer and scheduler now and keep the RNG states for the Trainer's RNG point."""
+        _single_process(args)
+        self.close()
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self.checkpointer = self._checkpointer(args, state, kwargs)
+            return
+        try:
+            _check_resumed(state, resume)
+            self.checkpointer = self._checkpointer(args, state, kwargs)
+            self.checkpointer.restore(resume.snapshot_id)
+        finally:
+            shutil.rmtree(resume.folder, ignore_errors=True)
+        self._rng = self.checkpointer.extra["rng"]
+        # the Trainer loads its RNG file before drawing an epoch's order when it resumes at
+        # an epoch boundary (or skips no data), and after drawing the batches to skip otherwise
+        epoch = float(state.epoch or 0.0)
+        self._rng_at_epoch = bool(args.ignore_data_skip) or epoch.is_integer()
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._rng_at_epoch:
+            self._restore_rng()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._restore_rng()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Feed the gradient EMA of a compressed store's search (a no-op when lossless)."""
+        if self.checkpointer is not None and self.checkpointer.every:
+            self.checkpointer.observe_gradients()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """One version per save of the Trainer (committed in the background by default)."""
+        if self.checkpointer is None:
+            raise InvalidInputError(
+                "Expected on_train_begin before on_save. Got a save outside trainer.train() instead; "
+                "add the callback to the Trainer (callbacks=[callback]) rather than calling it by hand.")
+        trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+        self.checkpointer.save(state.global_step, metrics=_metrics(state),
+                               extra={"trainer_state": trainer_state})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Wait for the last save: ``train()`` returns with every version committed."""
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the Checkpointer's threads; call it after a
+        ``train()`` that raised, when the process goes on. Idempotent."""
+        self._rng = None
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _checkpointer(self, args: Any, state: Any, objects: Mapping[str, Any]) -> Checkpointer:
+        options = dict(self.options)
+        extra_state = dict(options.pop("extra_state", None) or {})
+        extra_state["rng"] = RNGState()
+        if objects.get("lr_scheduler") is not None:
+            extra_state["scheduler"] = objects["lr_scheduler"]
+        if "every" not in options and not options.get("lossless") and args.save_strategy == "steps":
+            options["every"] = _save_interval(state)
+        return Checkpointer(self.repo, objects["model"], objects.get("optimizer"),
+                            extra_state=extra_state, **options)
+
+    def _restore_rng(self) -> None:
+        rng, self._rng = self._rng, None
+        if rng is not None:
+            RNGState().load_state_dict(rng)
+
+    def _drop_folder(self) -> None:
+        """An earlier resume_path() the Trainer never read: its folder goes now."""
+        if self._resume is not None:
+            shutil.rmtree(self._resume.folder, ignore_errors=True)
+            self._resume = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """What :meth:`InshrinkCallback.resume_path` armed: the version and its folder."""
+
+    snapshot_id: str
+    folder: str
+    step: int | None
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Refuse a keyword the Checkpointer would refuse, now rather than at train time."""
+    import inspect
+
+    known = set(inspect.signature(Checkpointer).parameters) - {"legacy", *_OWN}
+    unknown = sorted(set(options) - known - set(_POLICY_KEYWORDS))
+    if unknown:
+        raise InvalidInputError(
+            f"Expected Checkpointer keywords ({', '.join(sorted(known))}). Got {unknown} instead; the Trainer's "
+            "model, optimizer and scheduler are taken from the Trainer, so leave them out.")
+    clash = sorted(set(options.get("extra_state") or {}) & set(_RESERVED))
+    if clash:
+        raise InvalidInputError(
+            f"Expected extra_state names other than {list(_RESERVED)}. Got {clash} instead; the callback "
+            "stores the scheduler, the RNG states and the Trainer's state under those names: rename yours.")
+
+
+def _is_repository(url: Any) -> bool:
+    return callable(getattr(url, "save", None)) and callable(getattr(url, "checkout", None))
+
+
+def _single_process(args: Any) -> None:
+    if getattr(args, "world_size", 1) > 1:
+        raise InvalidInputError(
+            f"Expected a single-process Trainer. Got world_size {args.world_size} instead: each rank holds "
+            "part of the state; use inshrink_store.torch.DistributedCheckpointer for distributed runs.")
+
+
+def _check_resumed(state: Any, resume: _Resume) -> None:
+    """resume_path() armed the callback: the Trainer must have read that folder."""
+    if resume.step is not None and state.global_step != resume.step:
+        raise InvalidInputError(
+            f"Expected the Trainer to resume at step {resume.step} from {resume.folder}. Got global step "
+            f"{state.global_step} instead: pass the folder resume_path() returned to "
+            "trainer.train(resume_from_checkpoint=...).")
+
+
+def _trainer_state_json(repo: Any, snapshot_id: str) -> str:
+    try:
+        text = load_state(repo, snapshot_id, prefix=TRAINER_STATE)
+    except NotFoundError:
+        text = None
+    if not isinstance(text, str):
+        raise NotFoundError(
+            f"Expected version {snapshot_id[:12]} to hold the Trainer's state ({TRAINER_STATE}). Got a version "
+            "without it instead: InshrinkCallback did not save it; resume from a version the callback saved "
+            "(`inshrink log` lists them), or restore this one with inshrink_store.torch.Checkpointer.")
+    return text
+
+
+def _untied(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Every name with its own tensor: safetensors refuses tensors that share memory, and
+    the Trainer loads the file by name (a tied weight is loaded twice, into one tensor)."""
+    seen: set[int] = set()
+    out: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
+def _save_interval(state: Any) -> int | None:
+    """The Trainer's absolute save interval, when it saves every N steps."""
+    steps = getattr(state, "save_steps", None)
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
+
+
+def _metrics(state: Any) -> dict[str, float]:
+    """The numbers logged at this step (loss, learning rate, eval metrics) for ``inshrink log``."""
+    out: dict[str, float] = {}
+    for entry in state.log_history:
+        if entry.get("step") != state.global_step:
+            continue
+        for key, value in entry.items():
+            if key not in ("step", "epoch") and isinstance(value, Real) and not isinstance(value, bool):
+                with contextlib.suppress(TypeError, ValueError):
+                    out[key] = float(value)
+    return out
