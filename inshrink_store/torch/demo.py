@@ -261,7 +261,7 @@ def run_demo(url: str = "./inshrink-demo", steps: int = 600, every: int = 50, fa
     for info in reversed(repo.log()):
         q = QuantizationRecord.from_dict(info.metadata["quantization"])  # every demo version has one
         u, w, m = usage[info.id], weights[info.id], moments[info.id]
-        rows.append({"snapshot": info.id[:10], "step": info.step,
+        rows.append({"snapshot": info.id, "step": info.step,
                      "config": None if q.config is None else q.config.to_dict(),
                      "search": None if q.search is None else q.search.mode,
                      "evaluations": 0 if q.search is None else q.search.evaluations,
