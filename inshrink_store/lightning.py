@@ -1,0 +1,478 @@
+"""PyTorch Lightning's checkpoints as versions of an inshrink store: ``InshrinkCheckpointIO``.
+
+``Trainer(plugins=[InshrinkCheckpointIO("s3://bucket/run")])`` makes every checkpoint Lightning
+writes one version of a branch: tensors as arrays, everything else (loops, callbacks, hyper
+parameters) as the JSON structure ``save_state`` records, so loading never unpickles anything.
+
+Lightning itself still thinks in file paths: ``ModelCheckpoint`` names its checkpoints, checks
+which exist, and resolves ``ckpt_path="last"`` by listing its folder. So each save also
+
+- tags its version with a name made from the path (:func:`tag_for`): the tag is what keeps the
+  version, and ``remove_checkpoint`` (``save_top_k``) drops it, then a gc collects what no tag
+  or other branch keeps (objects shared with kept versions stay: gc marks what is reachable);
+- writes a small JSON *pointer* file at the path (store, snapshot, tag): Lightning's own file
+  checks (``"last"``, ``-v1`` suffixes, ``save_last="link"``) then work as with torch files.
+
+Lightning is imported here only, never elsewhere in the package: ``pip install
+'inshrink-store[lightning]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+from urllib.parse import quote, unquote
+
+import numpy as np
+
+from inshrink_store.admin import GarbageCollector
+from inshrink_store.errors import (
+    AlreadyExistsError,
+    BackgroundSaveError,
+    ConflictError,
+    FormatError,
+    InshrinkError,
+    InvalidInputError,
+    NotFoundError,
+    require,
+)
+from inshrink_store.policy import QuantConfig, StatePlanner
+from inshrink_store.refs import check_name
+from inshrink_store.repository import Repository
+from inshrink_store.repository import open as open_repo
+from inshrink_store.residual import MAX_KEEP_NEWEST
+from inshrink_store.structure import flatten
+from inshrink_store.torch.checkpointer import _OtherBranchesKept
+from inshrink_store.torch.tensors import load_state, save_state, torch
+
+#: Lightning's base class (``lightning.pytorch.plugins.io.CheckpointIO`` is the same class)
+CheckpointIO: Any = require("lightning.fabric.plugins.io.checkpoint_io", "lightning").CheckpointIO
+_cloud = require("lightning.fabric.utilities.cloud_io", "lightning")
+
+log = logging.getLogger(__name__)
+
+__all__ = ["POINTER_FORMAT", "InshrinkCheckpointIO", "tag_for"]
+
+#: the ``format`` field of a pointer file, so a torch checkpoint is never mistaken for one
+POINTER_FORMAT = "inshrink-lightning-pointer/1"
+_POINTER_MAX_BYTES = 64 * 1024
+_TAG_PREFIX = "ckpt-"
+
+
+# -- paths and tags ------------------------------------------------------------------------------
+def path_key(path: Any) -> str:
+    """The text a checkpoint path is known by: absolute and normalised for a local path (so
+    ``ckpt_path="checkpoints/last.ckpt"`` finds what ModelCheckpoint saved by its absolute
+    name), as given for a URL."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        text = text.decode()
+    return text if "://" in text else os.path.normpath(os.path.abspath(text))
+
+
+def tag_for(path: Any) -> str:
+    """The tag that keeps the version saved at ``path``: ``ckpt-<file name>-<hash>``.
+
+    Why a hash: tag names allow letters, digits, '.', '_', '-' only, so the file name is
+    sanitised (``epoch=3-step=40.ckpt`` -> ``epoch_3-step_40.ckpt``), which can map two names to
+    one; 12 hex digits of the whole path's SHA-256 keep every path's tag its own."""
+    key = path_key(path)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", key.rstrip("/").rsplit("/", 1)[-1])
+    name = re.sub(r"\.{2,}", ".", name).strip("._-")[:80] or "checkpoint"
+    return check_name(f"{_TAG_PREFIX}{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}", "tag")
+
+
+# -- the checkpoint dict <-> what save_state stores ---------------------------------------------
+def _escape_key(key: Any) -> Any:
+    """A key the stored structure cannot name as it is (``'val/loss'`` in a callback's state
+    key, file paths in ``best_k_models``, ``''``, ``'__x'``) becomes ``'%'`` + its
+    percent-encoding; every other key is kept, so the common case stays readable."""
+    if not isinstance(key, str):
+        return key
+    if (key in ("", ".", "..", "zarr.json") or key.startswith(("__", "%")) or "/" in key
+            or "\\" in key):
+        return "%" + quote(key, safe="")
+    return key
+
+
+def _unescape_key(key: Any) -> Any:
+    return unquote(key[1:]) if isinstance(key, str) and key.startswith("%") else key
+
+
+def _encode(node: Any, clone: bool) -> Any:
+    """The checkpoint with its dict keys escaped (and arrays copied, tensors to the CPU, if
+    ``clone``: a background save must not see the training loop change them). A tuple nothing
+    under which changed is kept as it is, so ``save_state`` sees its own type (``torch.Size``)."""
+    if isinstance(node, torch.Tensor):
+        return node.detach().to("cpu", copy=True) if clone else node
+    if isinstance(node, np.ndarray):
+        return node.copy() if clone else node
+    if isinstance(node, Mapping):
+        return {_escape_key(k): _encode(v, clone) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_encode(v, clone) for v in node]
+    if isinstance(node, tuple):
+        items = tuple(_encode(v, clone) for v in node)
+        return node if all(a is b for a, b in zip(items, node, strict=True)) else items
+    return node
+
+
+def _decode(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {_unescape_key(k): _decode(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_decode(v) for v in node]
+    if isinstance(node, tuple):
+        items = tuple(_decode(v) for v in node)
+        return node if all(a is b for a, b in zip(items, node, strict=True)) else items
+    return node
+
+
+def _module_metadata(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``state_dict._metadata`` (each module's state-dict version, which ``load_state_dict``
+    hands to modules that convert old layouts): an attribute, so the structure would lose it."""
+    found = getattr(checkpoint.get("state_dict"), "_metadata", None)
+    if not isinstance(found, Mapping):
+        return None
+    try:
+        return json.loads(json.dumps({str(k): dict(v) for k, v in found.items()}))
+    except (TypeError, ValueError):
+        log.debug("state_dict._metadata is not plain JSON; it is not stored")
+        return None
+
+
+def _with_module_metadata(checkpoint: dict[str, Any], metadata: Any) -> dict[str, Any]:
+    state_dict = checkpoint.get("state_dict")
+    if isinstance(state_dict, dict):
+        ordered: Any = OrderedDict(state_dict)
+        if isinstance(metadata, Mapping):
+            ordered._metadata = OrderedDict((k, dict(v)) for k, v in metadata.items())
+        checkpoint["state_dict"] = ordered
+    return checkpoint
+
+
+# -- pointer files -------------------------------------------------------------------------------
+def _write_pointer(path: Any, pointer: Mapping[str, Any]) -> None:
+    """Write the pointer through a temporary name and a rename: never half a file."""
+    fs = _cloud.get_filesystem(path)
+    target = os.fspath(path)
+    folder = os.path.dirname(target)
+    if folder:
+        fs.makedirs(folder, exist_ok=True)
+    temporary = f"{target}.inshrink-tmp"
+    with fs.open(temporary, "wb") as handle:
+        handle.write((json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode())
+    fs.mv(temporary, target)
+
+
+def _read_pointer(path: Any) -> dict[str, Any] | None:
+    """The pointer at ``path``; None where there is no file; FormatError for a file that is
+    not a pointer (a torch checkpoint, say)."""
+    fs = _cloud.get_filesystem(path)
+    try:
+        with fs.open(os.fspath(path), "rb") as handle:
+            raw = handle.read(_POINTER_MAX_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        pointer = json.loads(raw) if len(raw) <= _POINTER_MAX_BYTES else None
+    except (UnicodeDecodeError, ValueError):
+        pointer = None
+    if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
+        raise FormatError(
+            f"Expected {os.fspath(path)!r} to be a checkpoint InshrinkCheckpointIO saved (a pointer file "
+            f"with format {POINTER_FORMAT!r}). Got another file there instead (a torch checkpoint?): load it "
+            "with Lightning's default CheckpointIO, or import it into the store with `inshrink import`.")
+    return pointer
+
+
+def _remove_pointer(path: Any) -> None:
+    """Delete the pointer (or a link to one) at ``path``; any other file is left alone."""
+    try:
+        if _read_pointer(path) is None:
+            return
+    except FormatError:
+        log.warning("remove_checkpoint(%r): not a pointer file, left where it is", os.fspath(path))
+        return
+    _cloud.get_filesystem(path).rm(os.fspath(path))
+
+
+# -- the CheckpointIO ----------------------------------------------------------------------------
+class InshrinkCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that saves each checkpoint as a version of ``url``'s store.
+
+    ``url``: a path, ``memory://``, ``s3://`` or ``gs://`` URL (the store is created on first
+    use) or an open :class:`~inshrink_store.repository.Repository`. ``branch``: the branch the
+    versions go on; it is trimmed to the versions some checkpoint path still names (plus its
+    head), so give a run a branch of its own in a shared store. ``quantize``: None (lossless,
+    bit-exact: the default, for an exact resume) or a :class:`~inshrink_store.policy.QuantConfig`
+    for the model's weights (``state_dict/``), everything else stays exact; then the newest
+    ``exact_resume`` versions (default 1) also keep a restore residual, so a resume from them is
+    bit-exact. ``background=True`` copies the tensors and commits on a thread, in order with
+    removals and loads (see the guide, docs/guides/lightning.md).
+    """
+
+    def __init__(self, url: str | Repository, *, branch: str = "main", quantize: QuantConfig | None = None,
+                 exact_resume: int | None = None, background: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        if not isinstance(url, (str, os.PathLike, Repository)):
+            raise InvalidInputError(
+                f"Expected url to be a store URL or path (e.g. 's3://bucket/run', './store') or a Repository. "
+                f"Got {type(url).__name__} instead.")
+        if quantize is not None and not isinstance(quantize, QuantConfig):
+            raise InvalidInputError(
+                f"Expected quantize to be None (lossless) or a QuantConfig. Got {type(quantize).__name__} "
+                "instead; e.g. quantize=QuantConfig(bins=16).")
+        self.exact_resume = _exact_resume(exact_resume, quantize)
+        self.branch = check_name(branch, "branch")
+        self.quantize, self.background = quantize, bool(background)
+        self._url = url if isinstance(url, (str, Repository)) else os.fspath(url)
+        self._storage_options = dict(storage_options or {})
+        self._repo: Repository | None = url if isinstance(url, Repository) else None
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[Any]] = []
+        self._error: BaseException | None = None
+        self._gc_due, self._saves_since_due = False, 0
+        #: the report of the last gc (after a removal or a moved tag), or None
+        self.last_gc: Any = None
+
+    @property
+    def repo(self) -> Repository:
+        """The store, opened (and created if nothing is there) on first use: a Trainer
+        pickled to spawned processes carries the URL, not an open handle."""
+        if self._repo is None:
+            assert isinstance(self._url, str)
+            self._repo = open_repo(self._url, create=True, storage_options=self._storage_options or None)
+        return self._repo
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if not isinstance(self._url, Repository):
+            state["_repo"] = None
+        state.update(_lock=None, _pool=None, _pending=[])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    # -- Lightning's interface -----------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Commit ``checkpoint`` as one version, tag it for ``path`` and write the pointer.
+        ``storage_options`` may carry ``{"message": str, "metrics": {name: number}}`` for the
+        version's log entry."""
+        self._raise_failure()
+        commit = _commit_options(storage_options)
+        if not isinstance(checkpoint, Mapping):
+            raise InvalidInputError(
+                f"Expected the checkpoint to be a dict (Lightning's checkpoint). Got {type(checkpoint).__name__} "
+                "instead.")
+        encoded = _encode(checkpoint, clone=self.background)
+        modules = _module_metadata(checkpoint)
+        if self.background:  # refuse what the store cannot hold here, not on the thread
+            flatten(encoded, lambda x: isinstance(x, (torch.Tensor, np.ndarray)))
+            self._submit(self._save, encoded, modules, path, commit)
+        else:
+            self._save(encoded, modules, path, commit)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint saved at ``path`` (or a branch, tag or snapshot id of the store), as
+        Lightning expects it. ``weights_only`` is accepted and moot: nothing is unpickled."""
+        self._drain()
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise InvalidInputError(
+                f"Expected map_location to be None, a device string or a torch.device. Got "
+                f"{type(map_location).__name__} instead: tensors come back on the CPU with None, and "
+                "Lightning moves them to the model's device.")
+        snapshot = self.find(path)
+        state = load_state(self.repo, snapshot, map_location=map_location)
+        meta = self.repo.snapshot(snapshot).metadata.get("lightning", {})
+        return _with_module_metadata(_decode(state), meta.get("state_dict_metadata"))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Drop the tag (and pointer) of ``path``, then gc this branch: the version goes unless
+        another tag, another branch or the branch head keeps it; objects kept versions share
+        stay. A path never saved here is nothing to remove."""
+        self._raise_failure()
+        if self.background:
+            self._submit(self._remove, path)
+        else:
+            self._remove(path)
+
+    def teardown(self) -> None:
+        """Wait for background saves (``background=True``) and raise the first that failed;
+        collect the versions whose path was saved again since the last gc (``last.ckpt``)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._pending = []
+        self._raise_failure()
+        if self._gc_due:
+            with self._lock:
+                self._collect()
+
+    # -- reading ---------------------------------------------------------------------------------
+    def find(self, path: Any) -> str:
+        """The snapshot id of the checkpoint at ``path``: its pointer file's, else its tag's,
+        else ``path`` read as a ref of the store (``"main"``: the newest checkpoint)."""
+        pointer = _read_pointer(path)
+        if pointer is not None:
+            with contextlib.suppress(NotFoundError, InvalidInputError):
+                return self.repo.snapshot(str(pointer.get("snapshot"))).id
+        tag = tag_for(path)
+        found = self.repo.tags().get(tag)
+        if found is not None:
+            return found
+        with contextlib.suppress(NotFoundError, InvalidInputError):
+            return self.repo.resolve(os.fspath(path))
+        known = sorted(t for t in self.repo.tags() if t.startswith(_TAG_PREFIX))[:10]
+        where = "no pointer file there" if pointer is None else (
+            f"a pointer to snapshot {str(pointer.get('snapshot'))[:12]}, which store {pointer.get('store')!r} holds")
+        raise NotFoundError(
+            f"Expected a checkpoint saved at {os.fspath(path)!r} in the store at {self.repo.url!r}. Got {where} "
+            f"and no tag {tag!r} instead: pass a path ModelCheckpoint saved with this store, or one of its "
+            f"tags {known}.")
+
+    # -- the work, on the caller's thread or the background one ----------------------------------
+    def _save(self, encoded: dict[str, Any], modules: Any, path: Any, commit: Mapping[str, Any]) -> None:
+        key, tag = path_key(path), tag_for(path)
+        step = encoded.get("global_step")
+        meta: dict[str, Any] = {"path": key, "tag": tag}
+        if modules is not None:
+            meta["state_dict_metadata"] = modules
+        with self._lock:
+            info = save_state(
+                self.repo, encoded, quantize=self._planner(), branch=self.branch,
+                step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+                message=commit.get("message") or _message(key, encoded), metrics=commit.get("metrics"),
+                metadata={"lightning": meta}, exact_resume=self.exact_resume)
+            moved = self._retag(tag, info.id)
+            _write_pointer(path, {"format": POINTER_FORMAT, "store": self.repo.url, "branch": self.branch,
+                                  "snapshot": info.id, "tag": tag, "step": info.step,
+                                  "note": "a checkpoint kept in an inshrink store: InshrinkCheckpointIO(store)"
+                                          ".load_checkpoint(this path) reads it"})
+            self._after_save(moved)
+
+    def _after_save(self, moved: bool) -> None:
+        """A version a moved tag no longer names (``last.ckpt`` saved again), and restore
+        residuals older than the newest ``exact_resume`` versions, are left for the gc of the
+        next removal, which ModelCheckpoint usually makes within the same epoch; without one,
+        the second save after them collects them (or ``teardown``), so at most two linger."""
+        if self._gc_due:
+            self._saves_since_due += 1
+            if self._saves_since_due >= 2:
+                self._collect()
+        self._gc_due = self._gc_due or moved or self.exact_resume > 0
+
+    def _remove(self, path: Any) -> None:
+        tag = tag_for(path)
+        with self._lock:
+            try:
+                self.repo.delete_tag(tag)
+            except NotFoundError:
+                log.debug("remove_checkpoint(%r): no tag %s", os.fspath(path), tag)
+            _remove_pointer(path)
+            self._collect()
+
+    def _retag(self, tag: str, snapshot_id: str) -> bool:
+        """Point ``tag`` at ``snapshot_id``; True when it named another version before (a path
+        saved again, like ``last.ckpt``), which is then left for the gc."""
+        try:
+            self.repo.tag(tag, snapshot_id)
+            return False
+        except AlreadyExistsError:
+            if self.repo.tags().get(tag) == snapshot_id:
+                return False
+            self.repo.delete_tag(tag)
+            self.repo.tag(tag, snapshot_id)
+            return True
+
+    def _collect(self) -> None:
+        """One gc that keeps this branch's head, every tag and every other branch's history.
+        Never raises into training: a gc that a commit in progress refuses (or that fails) is
+        logged and run again at the next removal or save."""
+        repo = self.repo
+        parts = repo._parts
+        scoped = replace(parts, refs=_OtherBranchesKept(parts, self.branch))
+        try:
+            self.last_gc = GarbageCollector(scoped, 1).run()
+            self._gc_due, self._saves_since_due = False, 0
+        except ConflictError as exc:
+            self._gc_due = True
+            log.info("gc put off to the next removal or save: %s", exc)
+        except (InshrinkError, OSError) as exc:
+            self._gc_due = True
+            log.warning("gc failed (%r); trying again at the next removal or save", exc)
+
+    def _planner(self) -> Any:
+        return None if self.quantize is None else StatePlanner(self.quantize, scope="state_dict/")
+
+    # -- background ------------------------------------------------------------------------------
+    def _submit(self, work: Callable[..., None], *args: Any) -> None:
+        """Queue ``work`` behind every earlier save and removal (one thread: in order, so a
+        removal never overtakes the save it removes)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-lightning")
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(self._guarded, work, *args))
+
+    def _guarded(self, work: Callable[..., None], *args: Any) -> None:
+        if self._error is not None:
+            return  # after a failure nothing more is written: the next call raises it
+        try:
+            work(*args)
+        except BaseException as exc:  # raised by the next call, in the training thread
+            self._error = exc
+
+    def _drain(self) -> None:
+        for future in list(self._pending):
+            future.result()
+        self._pending = []
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise BackgroundSaveError(
+                f"Expected the background checkpoint save to succeed. Got {type(error).__name__}: {error} "
+                "instead; nothing after it was written. Fix the cause and save again.") from error
+
+
+def _exact_resume(value: int | None, quantize: QuantConfig | None) -> int:
+    if value is None:
+        return 0 if quantize is None else 1
+    if type(value) is not int or not 0 <= value <= MAX_KEEP_NEWEST:
+        raise InvalidInputError(
+            f"Expected exact_resume to be an int in 0..{MAX_KEEP_NEWEST} (newest versions kept bit-exact). "
+            f"Got {value!r} instead.")
+    return value
+
+
+def _commit_options(options: Any) -> dict[str, Any]:
+    """``storage_options`` of a save: None, or ``{"message": ..., "metrics": ...}``."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or set(options) - {"message", "metrics"}:
+        raise InvalidInputError(
+            f"Expected storage_options to be None or a dict with 'message' and/or 'metrics'. Got {options!r:.80} "
+            "instead; e.g. trainer.save_checkpoint(path, storage_options={'message': 'before the sweep'}).")
+    return dict(options)
+
+
+def _message(key: str, checkpoint: Mapping[str, Any]) -> str:
+    name = key.rstrip("/").rsplit("/", 1)[-1]
+    where = ", ".join(f"{label} {checkpoint[key]}" for label, key in (("epoch", "epoch"), ("step", "global_step"))
+                      if checkpoint.get(key) is not None)
+    return f"lightning {name} ({where})" if where else f"lightning {name}"
