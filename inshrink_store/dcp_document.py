@@ -34,7 +34,7 @@ MAX_DEPTH = 128
 #: the entry, ``value``): a value nested deeper than ``MAX_DEPTH - ENVELOPE`` is stored as bytes
 ENVELOPE = 4
 #: the logical dtypes a DCP tensor may have (torch's, see ``inshrink_store.torch.tensors``)
-DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "C64", "C128", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _STORAGE_META = {"checkpoint_id": str, "save_id": str, "modules": list}
 
 

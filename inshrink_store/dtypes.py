@@ -3,8 +3,9 @@ it widens to and narrows from float32 (numpy only, so every layer may import it)
 
 A *logical* dtype is what the tensor is (safetensors spelling: ``F32``, ``BF16``, ...); its
 *carrier* is the numpy dtype that holds its bits in a zarr array. They differ only where
-zarr v3 has no such type: bfloat16 travels as uint16 bit patterns. Adding a dtype (say a
-float8) is one :class:`DType` entry here (plus its widen/narrow functions) and its tests;
+zarr v3 has no such type: bfloat16 travels as uint16 bit patterns, float8 (e4m3fn, e5m2) as
+uint8 ones. Complex tensors are zarr's complex64/complex128; they have no float32 value to
+widen to. Adding a dtype is one :class:`DType` entry here (plus its widen/narrow functions) and its tests;
 the torch mapping lives beside the torch code (``inshrink_store.torch.tensors``).
 
 bfloat16 is the upper half of a float32, so both directions are bit operations.
@@ -56,6 +57,65 @@ def _cast(to: str) -> Callable[[ArrayLike], np.ndarray]:
     return lambda values: np.asarray(values).astype(to, copy=False)
 
 
+def _minifloat_values(exp_bits: int, man_bits: int, ieee: bool) -> np.ndarray:
+    """The value of each of the 256 bit patterns of an 8-bit float, as float32. ``ieee``: the
+    top exponent holds infinity and NaN (float8_e5m2); otherwise only S.1111.111 is NaN
+    and there is no infinity (float8_e4m3fn, the "fn" of finite)."""
+    bits = np.arange(256)
+    bias = (1 << (exp_bits - 1)) - 1
+    e, m = (bits >> man_bits) & ((1 << exp_bits) - 1), bits & ((1 << man_bits) - 1)
+    frac = m / float(1 << man_bits)
+    magnitude = np.where(e == 0, frac * 2.0 ** (1 - bias), (1 + frac) * 2.0 ** (e - bias))
+    top = e == (1 << exp_bits) - 1
+    if ieee:
+        magnitude = np.where(top, np.where(m == 0, np.inf, np.nan), magnitude)
+    else:
+        magnitude = np.where(top & (m == (1 << man_bits) - 1), np.nan, magnitude)
+    return np.where(bits & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+def _minifloat(exp_bits: int, man_bits: int, ieee: bool) -> tuple[Callable[[ArrayLike], np.ndarray],
+                                                                   Callable[[ArrayLike], np.ndarray]]:
+    """(widen, narrow) of an 8-bit float carried as uint8 bit patterns. Widening is a table
+    lookup (exact). Narrowing rounds to nearest, ties to even, as torch converts: past the
+    largest finite value float8_e5m2 rounds to infinity, float8_e4m3fn (which has none)
+    saturates at ±448; NaN stays NaN with its sign."""
+    table = _minifloat_values(exp_bits, man_bits, ieee)
+    positive = table[:128]
+    top = int(np.flatnonzero(np.isfinite(positive))[-1])  # the largest finite pattern
+    # one more step past the largest finite value: where rounding to nearest overflows
+    grid = np.append(positive[:top + 1].astype(np.float64), 2 * positive[top] - positive[top - 1])
+    nan_bits = np.uint8(int(np.flatnonzero(np.isnan(positive))[-1]))
+
+    def widen(bits: ArrayLike) -> np.ndarray:
+        return table[np.asarray(bits, dtype=np.uint8)]
+
+    def narrow(values: ArrayLike) -> np.ndarray:
+        x = np.asarray(values, dtype=np.float32)
+        a = np.abs(x.astype(np.float64)).reshape(-1)
+        hi = np.clip(np.searchsorted(grid, a), 0, len(grid) - 1)  # NaN sorts last
+        lo = np.maximum(hi - 1, 0)
+        d_lo, d_hi = a - grid[lo], grid[hi] - a
+        index = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+        index = np.where(a >= grid[-1], len(grid) - 1, index)  # at or past the overflow step
+        if not ieee:  # saturate: the overflow step is the largest finite value
+            index = np.minimum(index, top)
+        out = index.astype(np.uint8)  # index top + 1 is the infinity pattern (e5m2)
+        out[np.isnan(a)] = nan_bits
+        out |= np.where(np.signbit(x.reshape(-1)), np.uint8(0x80), np.uint8(0))
+        return out.reshape(x.shape)
+
+    return widen, narrow
+
+
+def _no_float32(name: str) -> Callable[[ArrayLike], np.ndarray]:
+    def refuse(values: ArrayLike) -> np.ndarray:
+        raise InvalidInputError(
+            f"Expected a real dtype to read as float32. Got {name} instead: complex values have no "
+            "float32 value; read the array as it is stored (SnapshotReader.read).")
+    return refuse
+
+
 @dataclass(frozen=True)
 class DType:
     """One logical dtype.
@@ -66,7 +126,7 @@ class DType:
 
     name: str
     carrier: np.dtype
-    kind: str  # "float" | "int" | "uint" | "bool"
+    kind: str  # "float" | "int" | "uint" | "bool" | "complex"
     codec_name: str | None = None
     widen: Callable[[ArrayLike], np.ndarray] = _cast("float32")
     narrow: Callable[[ArrayLike], np.ndarray] | None = None
@@ -114,6 +174,10 @@ REGISTRY: dict[str, DType] = {
         DType("U16", np.dtype("uint16"), "uint"),
         DType("U8", np.dtype("uint8"), "uint"),
         DType("BOOL", np.dtype("bool"), "bool"),
+        DType("F8_E4M3", np.dtype("uint8"), "float", None, *_minifloat(4, 3, ieee=False)),
+        DType("F8_E5M2", np.dtype("uint8"), "float", None, *_minifloat(5, 2, ieee=True)),
+        DType("C64", np.dtype("complex64"), "complex", None, _no_float32("C64")),
+        DType("C128", np.dtype("complex128"), "complex", None, _no_float32("C128")),
     )
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from inshrink_store.errors import FormatError
@@ -34,11 +34,16 @@ def _component(key: object, path: str) -> str:
 
 
 def flatten(obj: Any, is_leaf: Callable[[Any], bool], leaf_id: Callable[[Any], Any] | None = None,
-            prefix: str = "") -> tuple[dict[str, Leaf], Any]:
+            prefix: str = "", leaf_tag: Callable[[Any], Mapping[str, Any]] | None = None,
+            tuple_types: Mapping[type, str] | None = None) -> tuple[dict[str, Leaf], Any]:
     """Split ``obj`` into leaves by path and a JSON-native skeleton.
 
     ``leaf_id`` returns an identity for aliasing (tied tensors): a leaf with an identity seen
     before is stored once and the skeleton points the second path at the first.
+    ``leaf_tag`` adds keys to a leaf's node (``{"__numpy__": True}``: the caller's kind of
+    array, which its reader must give back). ``tuple_types`` names tuple subclasses whose
+    type is recorded (``{torch.Size: "torch.Size"}``, as ``"__type__"``) so that
+    :func:`unflatten` rebuilds them; any other tuple subclass comes back a tuple.
     """
     leaves: dict[str, Leaf] = {}
     seen: dict[Any, str] = {}
@@ -51,7 +56,7 @@ def flatten(obj: Any, is_leaf: Callable[[Any], bool], leaf_id: Callable[[Any], A
             leaves[path] = node
             if ident is not None:
                 seen[ident] = path
-            return {"__array__": path}
+            return {"__array__": path, **(leaf_tag(node) if leaf_tag else {})}
         if isinstance(node, dict):
             items = []
             for key, value in node.items():
@@ -63,7 +68,10 @@ def flatten(obj: Any, is_leaf: Callable[[Any], bool], leaf_id: Callable[[Any], A
             return {"__dict__": items}
         if isinstance(node, (list, tuple)):
             kind = "__tuple__" if isinstance(node, tuple) else "__list__"
-            return {kind: [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node)]}
+            out: dict[str, Any] = {kind: [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node)]}
+            if tuple_types and type(node) in tuple_types:
+                out["__type__"] = tuple_types[type(node)]
+            return out
         return _scalar(node, path)
 
     skeleton = walk(obj, prefix)
@@ -81,13 +89,16 @@ def _scalar(value: Any, path: str) -> Any:
             return {"__float_bits__": struct.pack("<d", value).hex()}
         return {"__float__": value.hex()}  # exact for every other float, inf and -0.0 included
     raise FormatError(
-        f"Expected tensors, dicts, lists, tuples, str, int, float, bool or None in the state. "
+        f"Expected tensors, numpy arrays, dicts, lists, tuples, str, int, float, bool or None in the state. "
         f"Got {type(value).__name__} at {path or '/'!r} instead (no pickle: convert it first)."
     )
 
 
-def unflatten(skeleton: Any, leaves: dict[str, Leaf]) -> Any:
-    """Inverse of :func:`flatten`; aliases resolve to the very same leaf object."""
+def unflatten(skeleton: Any, leaves: dict[str, Leaf],
+              tuple_types: Mapping[str, Callable[[tuple[Any, ...]], Any]] | None = None) -> Any:
+    """Inverse of :func:`flatten`; aliases resolve to the very same leaf object.
+    ``tuple_types`` rebuilds the tuples whose ``"__type__"`` it names; any other type name is
+    a FormatError (a reader that cannot give the saved type back says so)."""
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
             if "__array__" in node:
@@ -99,7 +110,8 @@ def unflatten(skeleton: Any, leaves: dict[str, Leaf]) -> Any:
             if "__list__" in node:
                 return [walk(v) for v in node["__list__"]]
             if "__tuple__" in node:
-                return tuple(walk(v) for v in node["__tuple__"])
+                items = tuple(walk(v) for v in node["__tuple__"])
+                return items if "__type__" not in node else _typed(node["__type__"], items)
             if "__float__" in node:
                 return float.fromhex(node["__float__"])
             if "__float_bits__" in node:
@@ -109,12 +121,38 @@ def unflatten(skeleton: Any, leaves: dict[str, Leaf]) -> Any:
             raise FormatError(f"Expected a known skeleton node. Got keys {sorted(node)} instead.")
         return node
 
+    def _typed(name: Any, items: tuple[Any, ...]) -> Any:
+        build = (tuple_types or {}).get(name) if isinstance(name, str) else None
+        if build is None:
+            raise FormatError(
+                f"Expected a tuple type this reader can rebuild ({sorted(tuple_types or {})}). Got "
+                f"{name!r} instead; read the state with inshrink_store.torch.load_state.")
+        return build(items)
+
     def _leaf(path: str) -> Leaf:
         if path not in leaves:
             raise FormatError(f"Expected a tensor at {path!r} for the saved structure. Got none instead.")
         return leaves[path]
 
     return walk(skeleton)
+
+
+def tagged_leaves(skeleton: Any, tag: str) -> set[str]:
+    """The paths of the leaves whose node carries ``tag`` (see ``leaf_tag`` of :func:`flatten`)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "__array__" in node:
+                if node.get(tag):
+                    found.add(node["__array__"])
+                return
+            for key in ("__dict__", "__list__", "__tuple__"):
+                for child in node.get(key) or []:
+                    walk(child[1] if key == "__dict__" else child)
+
+    walk(skeleton)
+    return found
 
 
 def _float_from_bits(text: Any) -> float:

@@ -42,7 +42,18 @@ def _bf16_nearest(x: np.ndarray) -> np.ndarray:
     return np.where(pick_hi, hi_v, lo_v)
 
 
-@pytest.mark.parametrize("name", sorted(dtypes.REGISTRY))
+def _nearest_of(entry: dtypes.DType, x: np.ndarray, rounded: np.ndarray) -> bool:
+    """Reference for a narrow float carried as bits: no finite value of the dtype is nearer."""
+    every = entry.to_float32(np.arange(1 << (8 * entry.carrier.itemsize), dtype=np.uint64).astype(entry.carrier))
+    finite = every[np.isfinite(every)].astype(np.float64)
+    xs, rs = x.astype(np.float64).reshape(-1, 1), rounded.astype(np.float64).reshape(-1, 1)
+    return bool((np.abs(xs - rs)[:, 0] <= np.abs(xs - finite).min(axis=1)).all())
+
+
+REAL = sorted(n for n, d in dtypes.REGISTRY.items() if d.kind != "complex")
+
+
+@pytest.mark.parametrize("name", REAL)
 @SETTINGS
 @given(data=st.data())
 def test_every_entry_rounds_float32_through_itself(name: str, data: st.DataObject) -> None:
@@ -65,9 +76,14 @@ def test_every_entry_rounds_float32_through_itself(name: str, data: st.DataObjec
         assert again.tobytes() == carried.tobytes() or np.isnan(rounded).any()
         if not entry.is_float:
             assert _same(rounded, x)  # integers in range are exact
-        elif entry.carried_as_bits:
+        elif entry.name == "BF16":
             finite = np.isfinite(x) & np.isfinite(rounded)
             assert np.array_equal(rounded[finite].astype(np.float64), _bf16_nearest(x[finite]))
+        elif entry.carried_as_bits:  # float8: the nearest value within its range
+            every = entry.to_float32(np.arange(256, dtype=np.uint8))
+            top = float(np.abs(every[np.isfinite(every)]).max())
+            inside = np.isfinite(x) & (np.abs(x) <= top)
+            assert _nearest_of(entry, x[inside], rounded[inside])
         else:  # numpy's own rounding to nearest is the reference
             assert _same(rounded, x.astype(entry.carrier).astype(np.float32))
 
@@ -94,8 +110,8 @@ def test_bf16_keeps_nan_payloads_signs_and_negative_zero() -> None:
 
 
 def test_of_array_errors_name_the_tensor() -> None:
-    with pytest.raises(FormatError, match="'opt/z'.*complex64"):
-        dtypes.of_array(np.ones(2, np.complex64), path="opt/z")
+    with pytest.raises(FormatError, match="'opt/z'.*<U1"):
+        dtypes.of_array(np.array(["a", "b"]), path="opt/z")
     with pytest.raises(FormatError, match="'w' declared BF16 to be carried as uint16"):
         dtypes.of_array(np.ones(2, np.float32), "BF16", "w")
     with pytest.raises(FormatError, match="for tensor 'w'.*'F9'"):
@@ -121,6 +137,15 @@ def test_adding_an_entry_is_enough(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_registry_shape() -> None:
     assert dtypes.CODEC_NAMES == ("float32", "float16", "bfloat16")
     assert dtypes.QUANTIZABLE_NAMES == ("F32", "F16", "BF16")
-    assert {n for n, d in dtypes.REGISTRY.items() if d.carried_as_bits} == {"BF16"}
+    assert {n for n, d in dtypes.REGISTRY.items() if d.carried_as_bits} == {"BF16", "F8_E4M3", "F8_E5M2"}
     with pytest.raises(FormatError, match="quantizable element dtype"):
         dtypes.by_codec_name("int8")
+
+
+@pytest.mark.parametrize("name", ["C64", "C128"])
+def test_complex_is_carried_as_itself_and_has_no_float32_value(name: str) -> None:
+    entry = dtypes.get(name)
+    z = np.array([1 + 2j, np.nan - 0j], entry.carrier)
+    assert dtypes.of_array(z) is entry and not entry.is_float and not entry.quantizable
+    with pytest.raises(FormatError, match=f"{name}.*complex"):
+        entry.to_float32(z)

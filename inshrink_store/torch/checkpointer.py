@@ -66,6 +66,7 @@ from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.tensors import (
     STRUCTURE_ATTR,
     array_to_tensor,
+    is_state_leaf,
     load_state_report,
     state_to_arrays,
     torch,
@@ -490,7 +491,7 @@ class Checkpointer:
         extras = {name: _state_of(obj) for name, obj in self.extra_state.items()}
         extras.update(given)
         try:
-            flatten(extras, lambda x: isinstance(x, torch.Tensor), prefix="extra")
+            flatten(extras, is_state_leaf, prefix="extra")
         except FormatError as exc:
             raise InvalidInputError(str(exc)) from None
         return extras

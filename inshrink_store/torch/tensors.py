@@ -1,7 +1,9 @@
 """torch tensors and nested state dicts <-> numpy arrays the store writes, bit-exact.
 
-zarr has no bfloat16: BF16 tensors travel as uint16 bit patterns with their logical
-dtype recorded (``attributes.inshrink.dtype == "BF16"``). Tied tensors (one storage,
+zarr has no bfloat16 or float8: BF16 tensors travel as uint16 bit patterns, float8 ones as
+uint8, with their logical dtype recorded (``attributes.inshrink.dtype == "BF16"``). A numpy
+array in the state is stored the same way and comes back a numpy array; a ``torch.Size``
+comes back a ``torch.Size`` (the skeleton marks both). Tied tensors (one storage,
 several names) are stored once and come back as one tensor. Files are read with
 ``torch.load(weights_only=True)`` only: reading never executes code.
 """
@@ -25,7 +27,7 @@ from inshrink_store.errors import (
     NotFoundError,
     require,
 )
-from inshrink_store.structure import flatten, unflatten
+from inshrink_store.structure import flatten, tagged_leaves, unflatten
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
@@ -36,10 +38,17 @@ STRUCTURE_ATTR = "inshrink_structure"
 #: carried); torch's unsigned 16/32/64-bit types are too new to rely on, so U16..U64 stay out
 TORCH_DTYPES: dict[Any, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64", torch.complex128: "C128",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 _BY_NAME = {name: dt for dt, name in TORCH_DTYPES.items()}
+#: the skeleton's mark on a leaf saved from a numpy array: it comes back as one, not a tensor
+NUMPY_TAG = "__numpy__"
+#: tuple subclasses whose type the skeleton records, and how each is rebuilt
+TUPLE_TYPES: dict[Any, str] = {torch.Size: "torch.Size"}
+_TUPLE_BUILDERS: dict[str, Callable[[tuple[Any, ...]], Any]] = {"torch.Size": torch.Size}
 
 
 def _bit_view(entry: dtypes.DType) -> tuple[np.dtype, Any]:
@@ -57,10 +66,11 @@ def tensor_to_array(tensor: Any, path: str, copy: bool = True) -> tuple[np.ndarr
     contiguous CPU tensor's memory instead: no copy, and an attempt to write through it
     raises rather than change the caller's tensor."""
     if tensor.dtype not in TORCH_DTYPES:
-        supported = ", ".join(TORCH_DTYPES.values())
+        supported = ", ".join(str(dt).removeprefix("torch.") for dt in TORCH_DTYPES)
         raise FormatError(
             f"Expected tensor {path!r} to have a supported dtype ({supported}). "
-            f"Got {tensor.dtype} instead; convert it (e.g. complex -> torch.view_as_real)."
+            f"Got {tensor.dtype} instead; convert it to one of those first (e.g. .to(torch.complex64) "
+            "for complex32, .to(torch.float32) for other floats)."
         )
     if tensor.layout != torch.strided or tensor.is_meta:
         kind = "a meta tensor (it has no data)" if tensor.is_meta else f"a {tensor.layout} tensor"
@@ -70,7 +80,8 @@ def tensor_to_array(tensor: Any, path: str, copy: bool = True) -> tuple[np.ndarr
         )
     name = TORCH_DTYPES[tensor.dtype]
     entry = dtypes.get(name, f"tensor {path!r}")
-    t = tensor.detach().to("cpu").contiguous()
+    # a conjugate or negative view (x.conj()) is materialised: numpy cannot share a lazy sign
+    t = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     if entry.carried_as_bits:
         array = t.view(_bit_view(entry)[1]).numpy().view(entry.carrier)
     else:
@@ -92,29 +103,65 @@ def array_to_tensor(array: np.ndarray, name: str) -> Any:
     return torch.from_numpy(array)
 
 
+def numpy_to_array(array: np.ndarray, path: str, copy: bool = True) -> tuple[np.ndarray, str]:
+    """:func:`tensor_to_array` for a numpy array in the state: C-ordered, native byte order,
+    a dtype the registry knows (an InvalidInputError naming ``path`` otherwise)."""
+    native = array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+    name = dtypes.of_array(native, path=path).name
+    if copy or native is not array or not array.flags.c_contiguous:
+        return np.array(native, order="C", copy=True), name  # not ascontiguousarray: it makes 0-d 1-d
+    view = array.view()
+    view.flags.writeable = False
+    return view, name
+
+
+def is_state_leaf(value: Any) -> bool:
+    """What a state stores as an array: a tensor, or a numpy array (which comes back as one)."""
+    return isinstance(value, (torch.Tensor, np.ndarray))
+
+
+def _numpy_tag(value: Any) -> dict[str, Any]:
+    return {NUMPY_TAG: True} if isinstance(value, np.ndarray) else {}
+
+
 def _storage_identity(tensor: Any) -> Any:
     """Same identity = the same tensor stored once (tied weights). Empty tensors have no
     storage to share (every one has data_ptr 0), so each is its own; sparse and meta
-    tensors have no data pointer to compare and are refused by name later."""
-    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta:
+    tensors have no data pointer to compare and are refused by name later; a numpy array
+    is always its own (nothing ties them)."""
+    if isinstance(tensor, np.ndarray) or tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta:
         return ("unique", id(tensor))
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
+            tuple(tensor.stride()), tensor.dtype, tensor.is_conj(), tensor.is_neg())  # x.conj() is not x
+
+
+def flatten_state(state: Any) -> tuple[dict[str, Any], Any]:
+    """(path -> tensor or numpy array, skeleton) of a nested state: tied tensors once, numpy
+    leaves and ``torch.Size`` marked so that they come back as they were."""
+    return flatten(state, is_state_leaf, _storage_identity, leaf_tag=_numpy_tag, tuple_types=TUPLE_TYPES)
+
+
+def unflatten_state(skeleton: Any, leaves: dict[str, Any]) -> Any:
+    """Inverse of :func:`flatten_state` (``leaves`` already tensors or numpy arrays)."""
+    return unflatten(skeleton, leaves, _TUPLE_BUILDERS)
 
 
 def state_to_arrays(state: Any, copy: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str], Any]:
     """Nested state -> (path -> array, path -> logical dtype, JSON skeleton); ``copy``: see
     :func:`tensor_to_array`."""
-    leaves, skeleton = flatten(state, lambda x: isinstance(x, torch.Tensor), _storage_identity)
+    leaves, skeleton = flatten_state(state)
     arrays, dtypes = {}, {}
-    for path, tensor in leaves.items():
-        arrays[path], dtypes[path] = tensor_to_array(tensor, path, copy)
+    for path, leaf in leaves.items():
+        to_array = numpy_to_array if isinstance(leaf, np.ndarray) else tensor_to_array
+        arrays[path], dtypes[path] = to_array(leaf, path, copy)
     return arrays, dtypes, skeleton
 
 
 def arrays_to_state(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str], skeleton: Any) -> Any:
-    tensors = {p: array_to_tensor(a, dtypes[p]) for p, a in arrays.items()}
-    return unflatten(skeleton, tensors)
+    numpy = tagged_leaves(skeleton, NUMPY_TAG)
+    leaves = {p: np.array(a, order="C", copy=True) if p in numpy else array_to_tensor(a, dtypes[p])
+              for p, a in arrays.items()}
+    return unflatten_state(skeleton, leaves)
 
 
 #: A state dict without its modules (a file, ``save_state``) does not say which 2-D weights
@@ -251,10 +298,12 @@ def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = 
         return _flat_state(reader, parts, device, read_all)
     node = _subtree(skeleton, parts, reader.id)
     paths = sorted(_leaf_paths(node))
-    tensors = read_all(paths)
+    numpy = tagged_leaves(skeleton, NUMPY_TAG)
+    tensors = read_all([p for p in paths if p not in numpy])
     if device is not None:  # before unflatten: a tied tensor is moved once and stays tied
         tensors = {p: t.to(device) for p, t in tensors.items()}
-    return unflatten(node, tensors)
+    tensors.update(reader.read_many([p for p in paths if p in numpy], exact))  # numpy stays numpy, on the host
+    return unflatten_state(node, tensors)
 
 
 def _fresh_to_tensor(array: np.ndarray, name: str) -> Any:

@@ -434,10 +434,11 @@ def test_a_corrupt_document_is_an_integrity_error(tmp_path: Path) -> None:
         reader.read_metadata()
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_tensors_fail_before_anything_is_written(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
-    with pytest.raises(CheckpointException, match="'z'.*complex"):
-        dcp.save({"z": torch.zeros(2, dtype=torch.complex64)}, storage_writer=InshrinkStorageWriter(url),
+    with pytest.raises(CheckpointException, match="'z'.*complex32"):  # complex64 and 128 are stored
+        dcp.save({"z": torch.zeros(2, dtype=torch.complex32)}, storage_writer=InshrinkStorageWriter(url),
                  no_dist=True)
     with pytest.raises(NotFoundError):
         ins.open(url).resolve("main")
