@@ -17,7 +17,6 @@ URLs, error text) reaches rich as :class:`rich.text.Text`, never as a markup str
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -676,30 +675,12 @@ def _figure(value: Any, spec: str) -> str:
 
 
 def _find_tensor(reader: ins.SnapshotReader, name: str, url: str, ref: str) -> str:
-    """The tensor path NAME means: exact, under ``model/``, or the one path ending in
-    ``/NAME`` or ``.NAME``; otherwise a NotFoundError with close matches."""
-    paths = reader.names()
-    for candidate in (name, f"model/{name}"):
-        if candidate in paths:
-            return candidate
-    ending = [p for p in paths if p.endswith(f"/{name}") or p.endswith(f".{name}")]
-    if len(ending) == 1:
-        return ending[0]
-    if ending:
-        shown = ", ".join(repr(p) for p in ending[:4]) + (f" and {len(ending) - 4} more" if len(ending) > 4 else "")
-        raise ins.NotFoundError(
-            f"Expected {name!r} to name one tensor of snapshot {reader.id[:12]}. Got {len(ending)} "
-            f"tensors ending in it instead ({shown}); give more of the path."
-        )
-    close = difflib.get_close_matches(name, paths, n=3, cutoff=0.6)
-    if not close:  # compare with the last part of each path too: "wieght" -> "model/0.weight"
-        short = {p.rsplit("/", 1)[-1]: p for p in paths}
-        close = [short[s] for s in difflib.get_close_matches(name, list(short), n=3, cutoff=0.6)]
-    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
-            f"list the {_n(len(paths), 'tensor')} with `inshrink ls {url} {ref}`.")
-    raise ins.NotFoundError(
-        f"Expected a tensor named {name!r} in snapshot {reader.id[:12]}. Got no such tensor instead; {hint}"
-    )
+    """The tensor path NAME means: :meth:`SnapshotReader.resolve_name`, the rule Python
+    follows too; a NotFoundError that says to list the tensors names this store's command."""
+    try:
+        return reader.resolve_name(name)
+    except ins.NotFoundError as exc:
+        raise ins.NotFoundError(str(exc).replace("`inshrink ls`", f"`inshrink ls {url} {ref}`")) from None
 
 
 @app.command()

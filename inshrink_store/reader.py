@@ -9,6 +9,7 @@ allocate what its bytes cannot justify.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -45,6 +46,28 @@ def iter_array_docs(view: SnapshotChunks) -> list[tuple[str, dict[str, Any]]]:
     A node whose zarr.json is not a JSON object is an :class:`IntegrityError` naming it.
     Prefer ``view.index.array_docs()``."""
     return view.index.array_docs()
+
+
+def match_name(name: str, paths: Sequence[str], snapshot: str) -> str:
+    """The one of ``paths`` ending in ``/name`` or ``.name`` (whole path components or module
+    names, never the end of a word); NotFoundError listing the candidates or close names."""
+    ending = [p for p in paths if p.endswith(f"/{name}") or p.endswith(f".{name}")]
+    if len(ending) == 1:
+        return ending[0]
+    if ending:
+        shown = ", ".join(repr(p) for p in ending[:4]) + (f" and {len(ending) - 4} more" if len(ending) > 4 else "")
+        raise NotFoundError(
+            f"Expected {name!r} to name one tensor of snapshot {snapshot[:12]}. Got {len(ending)} "
+            f"tensors ending in it instead ({shown}); give more of the path.")
+    close = difflib.get_close_matches(name, list(paths), n=3, cutoff=0.6)
+    if not close:  # compare with the end of each path too: "wieght" -> "model/0.weight"
+        short = {p.rsplit("/", 1)[-1]: p for p in paths}
+        close = [short[s] for s in difflib.get_close_matches(name, list(short), n=3, cutoff=0.6)]
+    count = f"{len(paths)} tensor{'' if len(paths) == 1 else 's'}"
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
+            f"list the {count} with `inshrink ls` (or SnapshotReader.names()).")
+    raise NotFoundError(
+        f"Expected a tensor named {name!r} in snapshot {snapshot[:12]}. Got no such tensor instead; {hint}")
 
 
 class SnapshotReader:
@@ -111,16 +134,16 @@ class SnapshotReader:
         return sorted(self.arrays())
 
     def resolve_name(self, name: str) -> str:
+        """The stored path ``name`` means, by the one rule every entry point follows (the CLI's
+        ``show`` too; docs/reference/names.md): the exact path, else ``model/`` + ``name`` (a
+        state-dict key), else the one path ending in ``/name`` or ``.name`` (a wrapped model's
+        ``model/0.auto_model.encoder...`` by ``encoder...``). Why the last: a model saved
+        inside a wrapper gets a prefix its users never type. A NotFoundError lists the paths
+        when several end in ``name``, or the close ones when none does."""
         for candidate in (name, f"model/{name}"):
             if self.index.array(candidate) is not None:  # reads that tensor's tree only
                 return candidate
-        infos = self.arrays()
-        close = [p for p in infos if name.split("/")[-1] in p][:5]
-        hint = f" Similar: {', '.join(close)}." if close else ""
-        raise NotFoundError(
-            f"Expected a tensor named {name!r} in snapshot {self.id[:12]}. Got no such tensor "
-            f"instead ({len(infos)} tensors; list them with `inshrink ls`).{hint}"
-        )
+        return match_name(name, self.names(), self.id)
 
     def __getitem__(self, name: str) -> zarr.Array:
         path = self.resolve_name(name)
@@ -128,8 +151,14 @@ class SnapshotReader:
                           lambda: zarr.open_array(store=self.store, path=path, mode="r"))
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and any(
-            self.index.array(candidate) is not None for candidate in (name, f"model/{name}"))
+        """Whether :meth:`resolve_name` finds exactly one tensor for ``name``."""
+        if not isinstance(name, str):
+            return False
+        try:
+            self.resolve_name(name)
+        except NotFoundError:
+            return False
+        return True
 
     def read(self, name: str) -> np.ndarray:
         """The stored array (BF16 as uint16 bit patterns), decoded in full.
