@@ -32,7 +32,7 @@ from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
 from inshrink_store.policy.settings import QuantSettings
-from inshrink_store.policy.sketch import BLOCK, LogSketch
+from inshrink_store.policy.sketch import BLOCK, LogSketch, gamma_powers
 
 __all__ = [
     "LAYER_TYPES", "Part", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
@@ -227,8 +227,8 @@ def _bucket_edges(sketch: LogSketch) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """Each non-empty bucket as (low edge, high edge, count), ascending; exact zeros are one
     bucket of width 0."""
     g = sketch.gamma
-    pos_hi = np.power(g, sketch.pos_keys.astype(np.float64))
-    neg_hi = np.power(g, sketch.neg_keys[::-1].astype(np.float64))
+    pos_hi = gamma_powers(g, sketch.pos_keys)  # not np.power: its last bit depends on the CPU
+    neg_hi = gamma_powers(g, sketch.neg_keys[::-1])
     zero = sketch.zero_count > 0
     lo = np.concatenate([-neg_hi, np.zeros(int(zero)), pos_hi / g])
     hi = np.concatenate([-neg_hi / g, np.zeros(int(zero)), pos_hi])

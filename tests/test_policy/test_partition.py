@@ -168,18 +168,103 @@ def _reuse(w0, w1, **kw):
     return first, second
 
 
+def _reuse_margin(state: dict[str, TensorInput], config: QuantConfig, previous: np.ndarray) -> tuple[float, float]:
+    """(previous codebook's, fresh fit's) squared errors on the rest's sketch: the numbers the
+    reuse test compares."""
+    plan = StateQuantizer(state, config, {"w": previous})
+    err_fresh, err_prev = sketch_sq_errors(plan.part("w").sketch, [plan.fresh_codebook("w"), previous])
+    return err_prev, err_fresh
+
+
+def _levelled(rng: np.random.Generator) -> np.ndarray:
+    """Weights gathered round 15 levels 0.007 apart (spread 4e-4), a quarter held at exactly 0."""
+    levels = np.array([-7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6, 7, 8], np.float64) * 0.007
+    ids = rng.integers(0, 20, (256, 256))
+    near = levels[np.maximum(ids - 5, 0)] + rng.standard_normal(ids.shape) * 4e-4
+    return np.where(ids >= 5, near, 0.0).astype(np.float32)
+
+
 def test_codebook_reused_after_small_drift_and_ids_mostly_unchanged():
+    """A drift far smaller than the weights' structure keeps the codebook, with the margin shown.
+
+    The reuse test compares the previous codebook's squared error with that of a fresh fit
+    to the new values, and a fresh fit is one local optimum of k-means, drawn by starts
+    seeded from a hash of the sketch. On unstructured (Gaussian) weights several optima lie
+    within a few % of each other in the fit's weighted loss but up to 15 % apart in squared
+    error, and a drift of 0.5 % moves the hash, so whether the first fit's optimum beats
+    the second's within the 10 % tolerance is a draw: this test used to fit N(0, 0.02)
+    weights with seed 2 and failed (0.2017 against 0.1746, 1.155x) or passed as the last
+    bit of the bucket representatives fell, which np.power made depend on the CPU (Intel's
+    SVML on AVX-512, the C library's pow elsewhere). Here the weights sit near 15 levels
+    0.007 apart (as after a quantized save or quantization-aware training) and drift by
+    1e-4, so every fit lands on the same levels, to within the sketch's 2 % buckets: the
+    previous codebook's error is 1.030x a fresh fit's here, between 0.98x and 1.034x over
+    40 seeds and 30 hashes perturbed by a last bit, asserted under 1.05x, well inside the
+    1.10 tolerance, so reuse must happen. The Gaussian case is kept below as a test of the
+    rule itself."""
     rng = np.random.default_rng(2)
-    w = (rng.standard_normal((256, 256)) * 0.02).astype(np.float32)
-    drift = w + (rng.standard_normal(w.shape) * 1e-4).astype(np.float32)
+    w = _levelled(rng)
+    drift = np.where(w != 0, w + rng.standard_normal(w.shape) * 1e-4, 0.0).astype(np.float32)
+    config = QuantConfig(bins=16, prune=0.2, protect=0.005)
     first, second = _reuse(w, drift)
+    err_prev, err_fresh = _reuse_margin({"w": TensorInput(drift)}, config, np.asarray(first.codebook))
+    assert err_prev <= 1.05 * err_fresh < config.codebook_reuse_tolerance * err_fresh
     assert second.stats["codebook_reused"] and second.codebook == first.codebook
+    assert len(first.codebook) == 16 and 0.0 in first.codebook  # 15 levels and the pruned zeros
     book = np.float32(first.codebook)
     same = nearest_index(first.values, book) == nearest_index(second.values, book)
     assert same.mean() > 0.95
     # and the reused codebook is within the tolerance of a fresh fit's error
     fresh = quantize_state({"w": TensorInput(drift)}, QuantConfig(bins=16, prune=0.2))["w"]
     assert second.stats["rel_l2_error"] <= np.sqrt(1.10) * fresh.stats["rel_l2_error"] + 1e-6
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 16, 23])
+def test_codebook_reuse_follows_the_rule_whichever_optimum_the_fits_land_in(seed: int) -> None:
+    """Gaussian weights and a 0.5 % drift: the fresh fits of the two versions may land in
+    different local optima, so reuse is not guaranteed (5 seeds of 0..39 are refitted when
+    written, 16 and 23 among these, at 1.101x and 1.134x); the rule is. The previous codebook
+    is reused exactly when its error is within the tolerance of a fresh fit's, and a
+    codebook that is not reused is within the tolerance of a fresh fit's."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((256, 256)) * 0.02).astype(np.float32)
+    drift = w + (rng.standard_normal(w.shape) * 1e-4).astype(np.float32)
+    config = QuantConfig(bins=16, prune=0.2, protect=0.005)
+    first, second = _reuse(w, drift)
+    state = {"w": TensorInput(drift)}
+    err_prev, err_fresh = _reuse_margin(state, config, np.asarray(first.codebook))
+    tolerance = config.codebook_reuse_tolerance
+    assert second.stats["codebook_reused"] == (err_prev <= tolerance * err_fresh)
+    assert (second.codebook == first.codebook) == second.stats["codebook_reused"]
+    sketch = StateQuantizer(state, config).part("w").sketch
+    assert sketch_sq_errors(sketch, [np.array(second.codebook, np.float64)])[0] <= tolerance * err_fresh
+
+
+def _irwin_hall(seed: int, shape: tuple[int, int]) -> np.ndarray:
+    """Near-normal weights from sums of uniforms: IEEE arithmetic on random bits only, the same
+    float32 values on every machine (no logarithm or exponential in their making)."""
+    u = np.random.default_rng(seed).random((4, *shape))
+    return ((u.sum(axis=0) - 2.0) * 0.02).astype(np.float32)
+
+
+def test_codebooks_are_the_same_on_every_machine():
+    """Same input, same codebook, whatever the CPU: pinned centres (float32 bits).
+
+    Fitting uses IEEE-754 arithmetic only (sketch keys from a log2 that is exact enough
+    for every float32, tested in tests/test_codecs/test_xp_path.py; bucket values by
+    multiplication, :func:`inshrink_store.policy.sketch.gamma_powers`), so these bits are
+    the same on every machine. Before, the bucket values came from np.power, whose last bit
+    differs on a CPU with AVX-512; they seed k-means++ through a hash, so another machine
+    fitted other centres (and stored other bytes) from the same tensor. A deliberate change
+    to the fit changes these bits too: re-pin them then, and say so."""
+    w = _irwin_hall(7, (128, 128))
+    drift = w + (_irwin_hall(8, (128, 128)) * 0.005).astype(np.float32)
+    first, second = _reuse(w, drift)
+    assert [f"{np.float32(c).view(np.uint32).item():08x}" for c in first.codebook] == [
+        "bce945f7", "bccb0f01", "bcab5986", "bc8dd9ea", "bc6861d6", "bc3757bd", "bc02d864", "bb98757d",
+        "00000000", "3b9427d7", "3bfdc2c5", "3c382132", "3c722b1a", "3c983238", "3cbba0f7", "3ce2c9c3",
+    ]
+    assert second.stats["codebook_reused"] and second.codebook == first.codebook  # the same decision too
 
 
 def test_codebook_refit_after_a_big_shift_and_tolerance_is_respected():

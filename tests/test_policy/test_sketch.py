@@ -8,6 +8,8 @@ rounding of the logarithm at a bucket edge.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -82,3 +84,61 @@ def test_deterministic_and_clear_errors():
         a.merge(LogSketch(alpha=0.05))
     with pytest.raises(FormatError, match="mask"):
         LogSketch.from_values(x, mask=np.ones(3, bool))
+
+
+def _power_by_python_floats(gamma: float, k: int) -> float:
+    """The same products on Python floats: IEEE-754 doubles, rounded the same way on every
+    machine and by no vector-math library. ``gamma^(64 q + r)`` is ``gamma^r (gamma^64)^q``, each
+    power a run of products; past 4096 runs of 64, binary exponentiation."""
+    base = 1.0 / gamma if k < 0 else gamma
+    q, r = divmod(abs(k), 64)
+    if q >= 4096:
+        out, e = 1.0, abs(k)
+        while e:
+            if e & 1:
+                out *= base
+            e >>= 1
+            base *= base
+        return out
+    low = [1.0]
+    for _ in range(64):
+        low.append(low[-1] * base)
+    high = 1.0
+    for _ in range(q):
+        high *= low[64]
+    return low[r] * high
+
+
+@pytest.mark.parametrize("alpha", [ALPHA, 0.05, 0.001])
+def test_bucket_values_are_products_the_same_on_every_machine(alpha: float, monkeypatch) -> None:
+    """Bucket values (representatives, and the edges of the reuse test's sums) are IEEE-754
+    products: bit for bit the Python-float products', whatever other keys share the call,
+    and within 3 |k| units of 2^-53 of the exact power. Not np.power, whose last bit depends
+    on the CPU (SVML on AVX-512) and which seeded k-means, through a hash of the
+    representatives, differently per machine."""
+    from fractions import Fraction
+
+    gamma = LogSketch(alpha=alpha).gamma
+    keys = np.concatenate([np.arange(-6000, 6000, 7), [-1, 0, 1, 63, 64, -64, 2**13, -(2**13)]])
+    if alpha == 0.001:  # keys past the ladders (|k| >= 64 x 4096) take binary exponentiation
+        keys = np.concatenate([keys, [262_143, 262_144, -262_144, 300_001, -350_000]])
+    got = sketch_mod.gamma_powers(gamma, keys)
+    want = np.array([_power_by_python_floats(gamma, int(k)) for k in keys], np.float64)
+    assert got.tobytes() == want.tobytes()
+    assert sketch_mod.gamma_powers(gamma, keys[::-5]).tobytes() == want[::-5].tobytes()
+    for k in (-5165, -1, 0, 1, 7, 63, 64, 300, 4436, -(2**13)):
+        if abs(k * math.log(gamma)) > 700:  # past float64's normal range
+            continue
+        exact = Fraction(gamma) ** k
+        value = float(sketch_mod.gamma_powers(gamma, np.array([k]))[0])
+        assert abs(Fraction(value) - exact) <= (3 * abs(k) + 2) * Fraction(2) ** -53 * exact
+    for k in keys[np.abs(keys) >= 64 * 4096].tolist():  # against the C library's pow, within an ulp
+        value = float(sketch_mod.gamma_powers(gamma, np.array([k]))[0])
+        assert abs(value / math.pow(gamma, k) - 1) <= (3 * abs(k) + 4) * 2.0**-53
+    monkeypatch.setattr(np, "power", None)  # the sketch, its histogram and its quantiles never call it
+    x = np.random.default_rng(0).laplace(0, 0.02, 5_000).astype(np.float32)
+    sketch = LogSketch.from_values(x, alpha=alpha)
+    reps, _ = sketch.histogram()
+    expected = 2.0 * sketch_mod.gamma_powers(gamma, sketch.pos_keys) / (gamma + 1.0)
+    assert np.array_equal(reps[reps > 0], expected)
+    assert sketch.quantile(0.5) in reps
