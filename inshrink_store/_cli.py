@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -647,7 +646,8 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
         stored = stored_bytes.get(path, 0)
         attrs = info.attributes
         rows.append({
-            "tensor": path, "shape": list(info.shape), "dtype": info.dtype, "logical_bytes": info.logical_bytes,
+            "tensor": path, "param": reader.param_of(path), "shape": list(info.shape), "dtype": info.dtype,
+            "logical_bytes": info.logical_bytes,
             "stored_bytes": stored, "storage": info.storage, "levels": attrs.get("levels"),
             "pruned_fraction": attrs.get("pruned_fraction"), "protected_fraction": attrs.get("protected_fraction"),
             "update_cosine": attrs.get("update_cosine"), "update_rel_error": attrs.get("update_rel_error"),
@@ -656,18 +656,24 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
         _json({"snapshot": reader.id, "tensors": rows})
         return
     guarded = any(r["update_cosine"] is not None for r in rows)
-    columns = ["tensor", "shape", "dtype", "logical", "stored", "storage", "levels", "pruned", "protected"]
+    named = any(r["param"] is not None for r in rows)  # the column only where a moment has a name
+    columns = ["tensor", *(["param"] if named else []), "shape", "dtype", "logical", "stored", "storage", "levels",
+               "pruned", "protected"]
     table = Table(*columns, *(["update cos", "update err"] if guarded else []))
     for r in rows:
         pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
         guard = ([_figure(r["update_cosine"], ".4f"), _figure(r["update_rel_error"], ".1%")] if guarded else [])
-        _row(table, r["tensor"], "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),
+        _row(table, r["tensor"], *([r["param"] or "-"] if named else []),
+             "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),
              _size(r["stored_bytes"]), r["storage"], r["levels"] or "-",
              pct(r["pruned_fraction"]), pct(r["protected_fraction"]), *guard)
     out.print(table)
     if guarded:
         _say(err, "update cos / err: the Adam update from the stored moments against the exact one "
                   "(cosine, relative norm error)")
+    if named:
+        _say(err, "param: the parameter an optimizer tensor belongs to; "
+                  "`inshrink show URL REF optimizer/state/<param>/exp_avg` names it so")
 
 
 def _figure(value: Any, spec: str) -> str:
@@ -687,7 +693,8 @@ def _find_tensor(reader: ins.SnapshotReader, name: str, url: str, ref: str) -> s
 def show(
     url: str, ref: str,
     tensor: Annotated[str, typer.Argument(
-        help="Tensor path, or its end: `weight` finds the one tensor ending in /weight or .weight.")],
+        help="Tensor path, state-dict key, optimizer/state/<param name>/exp_avg, or the end of one: "
+        "`query.weight` finds the one tensor ending in /query.weight or .query.weight (docs/reference/names.md).")],
     as_json: JsonOpt = False,
 ) -> None:
     """Shape, dtype and summary statistics of one tensor (reads only that tensor)."""
@@ -695,7 +702,9 @@ def show(
     path = _find_tensor(reader, tensor, url, ref)
     info = reader.arrays()[path]
     values = reader.read_float(path)
-    stats: dict[str, Any] = {"tensor": path, "snapshot": reader.id, "shape": list(info.shape),
+    param = reader.param_of(path)
+    stats: dict[str, Any] = {"tensor": path, **({"param": param} if param is not None else {}),
+                             "snapshot": reader.id, "shape": list(info.shape),
                              "dtype": info.dtype, "storage": info.storage, "numel": int(values.size)}
     if values.size and values.dtype.kind in "fiub":
         v = values.astype(np.float64)
@@ -755,33 +764,16 @@ def _value_cells(t: Any, fmt: Callable[[float | None], str]) -> tuple[str, str]:
 EXPORT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
 
 
-def _export_torch(reader: ins.SnapshotReader, output: Path, include_all: bool,
-                  progress: Callable[[str, int, int], None], residual: Any = None) -> int:
-    """The tensors export_safetensors would write, as a torch.save'd dict of tensors (no
-    other objects: it loads with torch.load(weights_only=True)); temp file, then rename."""
-    import torch
-
-    from inshrink_store.torch import export_tensors
-
-    tensors = export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
-    fd, tmp = tempfile.mkstemp(prefix=output.name, suffix=".tmp", dir=output.parent)
-    os.close(fd)
-    try:
-        torch.save(tensors, tmp)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return len(tensors)
-
-
 @app.command()
 def export(
     url: str, ref: str,
     output: Annotated[Path, typer.Argument(
         metavar="OUT", help="Output file; its extension picks the format: .safetensors, or .pt/.pth "
-        "(torch.save of a dict of tensors).")],
-    all_tensors: Annotated[bool, _flag("--all", help="Also export optimizer state (full paths).")] = False,
+        "(torch.save of the model's state dict; loads with torch.load(weights_only=True)).")],
+    all_tensors: Annotated[bool, _flag("--all", help="The whole saved state: .pt/.pth hold it nested as saved "
+                                       "({'model': ..., 'optimizer': ..., ...}: load_state_dict takes each part); "
+                                       ".safetensors is flat, one tensor per stored path "
+                                       "(optimizer/state/0/exp_avg), the structure as JSON in its metadata.")] = False,
     exact: Annotated[bool, _flag("--exact", help="The exact bits the version was saved from (its restore "
                                  "residual; only the newest versions of a branch keep one).")] = False,
 ) -> None:
@@ -818,7 +810,9 @@ def export(
 
             count = export_safetensors(reader, output, include_all=all_tensors, progress=update, residual=residual)
         else:
-            count = _export_torch(reader, output, all_tensors, update, residual)
+            from inshrink_store.torch import export_torch
+
+            count = export_torch(reader, output, include_all=all_tensors, progress=update, residual=residual)
     _say(out, f"wrote {_n(count, 'tensor')} to ", str(output), " (bit-exact)" if residual is not None else "")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +30,7 @@ from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exporte
     SnapshotIndex,
 )
 from inshrink_store.parallel import map_in_order
+from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, optimizer_param_names
 from inshrink_store.whole_read import WholeArray
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 
@@ -48,10 +49,13 @@ def iter_array_docs(view: SnapshotChunks) -> list[tuple[str, dict[str, Any]]]:
     return view.index.array_docs()
 
 
-def match_name(name: str, paths: Sequence[str], snapshot: str) -> str:
-    """The one of ``paths`` ending in ``/name`` or ``.name`` (whole path components or module
-    names, never the end of a word); NotFoundError listing the candidates or close names."""
-    ending = [p for p in paths if p.endswith(f"/{name}") or p.endswith(f".{name}")]
+def match_name(name: str, paths: Sequence[str], snapshot: str, same: Mapping[str, str] | None = None) -> str:
+    """The path of the one tensor among ``paths`` ending in ``/name`` or ``.name`` (whole path
+    components or module names, never the end of a word); NotFoundError listing the
+    candidates or close names. ``same`` maps a spelling among ``paths`` to the stored path it
+    names (an alias), so a tensor matched by its path and its alias counts once."""
+    same = same or {}
+    ending = sorted({same.get(p, p) for p in paths if p.endswith(f"/{name}") or p.endswith(f".{name}")})
     if len(ending) == 1:
         return ending[0]
     if ending:
@@ -63,7 +67,8 @@ def match_name(name: str, paths: Sequence[str], snapshot: str) -> str:
     if not close:  # compare with the end of each path too: "wieght" -> "model/0.weight"
         short = {p.rsplit("/", 1)[-1]: p for p in paths}
         close = [short[s] for s in difflib.get_close_matches(name, list(short), n=3, cutoff=0.6)]
-    count = f"{len(paths)} tensor{'' if len(paths) == 1 else 's'}"
+    tensors = len({same.get(p, p) for p in paths})
+    count = f"{tensors} tensor{'' if tensors == 1 else 's'}"
     hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
             f"list the {count} with `inshrink ls` (or SnapshotReader.names()).")
     raise NotFoundError(
@@ -83,6 +88,7 @@ class SnapshotReader:
         self.index: SnapshotIndex = view.index
         self.store = InshrinkStore(view, read_only=True)
         self._whole: dict[str, WholeArray | None] = {}
+        self._param_names: dict[int, str] | None = None
 
     def __repr__(self) -> str:
         return f"SnapshotReader({self.id[:12]}, {len(self.arrays())} tensors)"
@@ -136,14 +142,55 @@ class SnapshotReader:
     def resolve_name(self, name: str) -> str:
         """The stored path ``name`` means, by the one rule every entry point follows (the CLI's
         ``show`` too; docs/reference/names.md): the exact path, else ``model/`` + ``name`` (a
-        state-dict key), else the one path ending in ``/name`` or ``.name`` (a wrapped model's
-        ``model/0.auto_model.encoder...`` by ``encoder...``). Why the last: a model saved
-        inside a wrapper gets a prefix its users never type. A NotFoundError lists the paths
-        when several end in ``name``, or the close ones when none does."""
+        state-dict key), else a moment's alias ``optimizer/state/<param name>/exp_avg``
+        (:meth:`aliases`), else the one path or alias ending in ``/name`` or ``.name`` (a
+        wrapped model's ``model/0.auto_model.encoder...`` by ``encoder...``). Why the last: a
+        model saved inside a wrapper gets a prefix its users never type. A NotFoundError lists
+        the paths when several end in ``name``, or the close ones when none does."""
         for candidate in (name, f"model/{name}"):
             if self.index.array(candidate) is not None:  # reads that tensor's tree only
                 return candidate
-        return match_name(name, self.names(), self.id)
+        aliases = self.aliases()
+        if name in aliases:
+            return aliases[name]
+        return match_name(name, [*self.names(), *aliases], self.id, aliases)
+
+    def param_names(self) -> dict[int, str]:
+        """Optimizer parameter index -> parameter name (the model's state-dict key), where
+        the version says: recorded by the Checkpointer, which knows the model, or the
+        ``param_names`` of a named optimizer's ``param_groups``; ``{}`` otherwise."""
+        if self._param_names is None:
+            attributes = self.attributes
+            recorded = attributes.get(PARAM_NAMES_ATTR)
+            if isinstance(recorded, dict):
+                self._param_names = {int(i): n for i, n in recorded.items()
+                                     if isinstance(i, str) and i.isdigit() and isinstance(n, str)}
+            else:
+                self._param_names = optimizer_param_names(attributes.get(STRUCTURE_ATTR))
+        return self._param_names
+
+    def aliases(self) -> dict[str, str]:
+        """``optimizer/state/<param name>/<key>`` -> ``optimizer/state/<index>/<key>`` for every
+        optimizer tensor whose parameter has a name (:meth:`param_names`): the names users
+        know a moment by. An alias that is also a stored path is left out (the path wins)."""
+        names = self.param_names()
+        paths = self.names() if names else []
+        out: dict[str, str] = {}
+        for path in paths:
+            parts = path.split("/", 3)
+            if len(parts) == 4 and parts[:2] == ["optimizer", "state"] and parts[2].isdigit():
+                name = names.get(int(parts[2]))
+                if name is not None:
+                    out[f"optimizer/state/{name}/{parts[3]}"] = path
+        stored = set(paths)
+        return {alias: path for alias, path in out.items() if alias not in stored}
+
+    def param_of(self, path: str) -> str | None:
+        """The parameter name of an ``optimizer/state/<index>/...`` path (None for any other)."""
+        parts = path.split("/", 3)
+        if len(parts) < 3 or parts[:2] != ["optimizer", "state"] or not parts[2].isdigit():
+            return None
+        return self.param_names().get(int(parts[2]))
 
     def __getitem__(self, name: str) -> zarr.Array:
         path = self.resolve_name(name)

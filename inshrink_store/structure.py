@@ -17,6 +17,13 @@ from inshrink_store.errors import FormatError
 
 Leaf = Any  # an array-like the caller recognises
 
+#: the root group attribute holding a saved state's skeleton
+STRUCTURE_ATTR = "inshrink_structure"
+#: the root group attribute mapping optimizer parameter indices to parameter names
+#: (``{"0": "encoder.layer.0.attention.self.query.weight"}``), written where the saver knew
+#: the model (the Checkpointer); see :func:`optimizer_param_names` for the other source
+PARAM_NAMES_ATTR = "inshrink_param_names"
+
 
 def _component(key: object, path: str) -> str:
     if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -135,6 +142,31 @@ def unflatten(skeleton: Any, leaves: dict[str, Leaf],
         return leaves[path]
 
     return walk(skeleton)
+
+
+def _children(node: Any) -> dict[str, Any]:
+    """A dict node's children by key as text (``{}`` for any other node)."""
+    items = node.get("__dict__") if isinstance(node, dict) else None
+    return {str(k): v for k, v in items if isinstance(k, (str, int))} if isinstance(items, list) else {}
+
+
+def _items(node: Any) -> list[Any]:
+    """A list node's items (big ints, stored as ``__int__`` nodes, decoded)."""
+    items = node.get("__list__") if isinstance(node, dict) else None
+    return [unflatten(v, {}) if isinstance(v, dict) and "__int__" in v else v for v in items or []]
+
+
+def optimizer_param_names(skeleton: Any) -> dict[int, str]:
+    """Parameter index -> name from the ``param_names`` torch's optimizers put in each of
+    ``optimizer/param_groups`` when built from ``model.named_parameters()``; ``{}`` when the
+    state has none (an optimizer built from ``model.parameters()`` does not say)."""
+    names: dict[int, str] = {}
+    for group in _items(_children(_children(skeleton).get("optimizer")).get("param_groups")):
+        params, given = _items(_children(group).get("params")), _items(_children(group).get("param_names"))
+        if len(params) == len(given):
+            names.update({i: n for i, n in zip(params, given, strict=True)
+                          if isinstance(i, int) and not isinstance(i, bool) and isinstance(n, str)})
+    return names
 
 
 def tagged_leaves(skeleton: Any, tag: str) -> set[str]:

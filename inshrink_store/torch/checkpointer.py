@@ -61,7 +61,7 @@ from inshrink_store.policy.search import SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
 from inshrink_store.refs import Refs
 from inshrink_store.residual import MAX_KEEP_NEWEST
-from inshrink_store.structure import flatten
+from inshrink_store.structure import PARAM_NAMES_ATTR, flatten
 from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.tensors import (
     STRUCTURE_ATTR,
@@ -86,6 +86,14 @@ def _cpu_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _attributes(skeleton: Any, params: Mapping[str, str]) -> dict[str, Any]:
+    """A version's root attributes: the state's skeleton, and each optimizer parameter's name
+    (``params``: ``optimizer/state/<i>`` -> ``model/<name>``), which only the model knows and
+    by which ``ls``, ``show`` and ``snap[...]`` name its moments."""
+    names = {path.rsplit("/", 1)[1]: name.removeprefix("model/") for path, name in params.items()}
+    return {STRUCTURE_ATTR: skeleton, **({PARAM_NAMES_ATTR: names} if names else {})}
 
 
 def _positive_int(value: Any) -> bool:
@@ -589,7 +597,7 @@ class Checkpointer:
                 log.warning("checkpoint at step %s: %s", job.step, decision.moments.skipped)
                 self._told_skipped = True
         self._gc_idle.wait()  # our own retention gc first: the commit would only poll for it
-        info = self._commit(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=decision.plans,
+        info = self._commit(arrays, dtypes=dtypes, attributes=_attributes(skeleton, job.params), quantize=decision.plans,
                             branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
                             message=job.message or f"step {job.step}",
                             metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)

@@ -10,9 +10,11 @@ several names) are stored once and come back as one tensor. Files are read with
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,11 @@ from inshrink_store.errors import (
     NotFoundError,
     require,
 )
-from inshrink_store.structure import flatten, tagged_leaves, unflatten
+from inshrink_store.structure import STRUCTURE_ATTR, flatten, tagged_leaves, unflatten
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
 
-STRUCTURE_ATTR = "inshrink_structure"
 
 #: torch dtype -> logical dtype name in :mod:`inshrink_store.dtypes` (which says how it is
 #: carried); torch's unsigned 16/32/64-bit types are too new to rely on, so U16..U64 stay out
@@ -279,14 +280,22 @@ def load_state_report(repo: Any, ref: str = "main", *, map_location: Any = None,
 
 
 def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = None,
-                 residual: Any = None) -> Any:
+                 residual: Any = None, progress: Callable[[str, int, int], None] | None = None) -> Any:
+    """The state of ``reader``'s version (see :func:`load_state`); ``progress(path, done,
+    total)`` after each tensor read."""
     device = _device(map_location)
     dtypes = reader.dtypes()
     skeleton = reader.attributes.get(STRUCTURE_ATTR)
-    parts = _prefix_parts(prefix)
+    parts = _by_param_name(_prefix_parts(prefix), reader)
+    done, lock = [0], threading.Lock()
 
     def exact(path: str, stored: np.ndarray) -> np.ndarray:
-        return stored if residual is None else residual.exact(path, stored)
+        array = stored if residual is None else residual.exact(path, stored)
+        if progress is not None:
+            with lock:  # tensors are read on several threads
+                done[0] += 1
+                progress(path, done[0], len(paths))
+        return array
 
     def read_all(paths: list[str]) -> dict[str, Any]:
         """The tensors at ``paths``: read side by side, each array handed to torch as it is
@@ -295,6 +304,7 @@ def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = 
         return {p: _fresh_to_tensor(arrays.pop(p), dtypes[p]) for p in paths}
 
     if skeleton is None:  # written by plain repo.save: a flat dict by path
+        paths = reader.names()
         return _flat_state(reader, parts, device, read_all)
     node = _subtree(skeleton, parts, reader.id)
     paths = sorted(_leaf_paths(node))
@@ -352,6 +362,15 @@ def _check_available(device: Any, map_location: Any) -> None:
         raise InvalidInputError(
             f"Expected map_location to name one of the {count()} {device.type} devices here. Got "
             f"{map_location!r} instead: pass an index below {count()}, e.g. '{device.type}:0'.")
+
+
+def _by_param_name(parts: list[str], reader: Any) -> list[str]:
+    """``optimizer/state/<param name>/...`` -> ``optimizer/state/<index>/...``: a prefix may
+    name a parameter's optimizer state as a tensor name may (docs/reference/names.md)."""
+    if len(parts) < 3 or parts[:2] != ["optimizer", "state"] or parts[2].isdigit():
+        return parts
+    index = {name: i for i, name in reader.param_names().items()}.get(parts[2])
+    return parts if index is None else [*parts[:2], str(index), *parts[3:]]
 
 
 def _prefix_parts(prefix: str | None) -> list[str]:
@@ -502,19 +521,31 @@ def import_file(repo: Any, path: str | os.PathLike[str], *, quantize: Any = None
                       **commit)
 
 
-def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],
+                     metadata: Mapping[str, str] | None = None) -> None:
     """Write via a temp file in the same folder, then rename: never a half-written file."""
     from safetensors.torch import save_file
 
-    path = Path(path)
+    _atomic(Path(path), lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                                              metadata=dict(metadata) if metadata else None))
+
+
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    """``write`` a temp file in ``path``'s folder, then rename it to ``path``."""
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent or ".")
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _export_tensor(array: np.ndarray, name: str) -> Any:
+    """A stored array as a tensor for a file; a numpy array of a dtype torch's table leaves out
+    (U16..U64) through torch.from_numpy."""
+    return array_to_tensor(array, name) if name in _BY_NAME else torch.from_numpy(np.array(array, order="C"))
 
 
 def export_tensors(reader: Any, *, include_all: bool = False,
@@ -530,7 +561,7 @@ def export_tensors(reader: Any, *, include_all: bool = False,
     for i, p in enumerate(chosen):
         key = p[len("model/"):] if (p.startswith("model/") and not include_all) else p
         stored = reader.read(p)
-        tensors[key] = array_to_tensor(stored if residual is None else residual.exact(p, stored), dtypes[p])
+        tensors[key] = _export_tensor(stored if residual is None else residual.exact(p, stored), dtypes[p])
         if progress:
             progress(p, i + 1, len(chosen))
     return tensors
@@ -539,7 +570,62 @@ def export_tensors(reader: Any, *, include_all: bool = False,
 def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
                        progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> int:
     """Model tensors (names without the ``model/`` prefix) of a version to a safetensors file
-    (the exact bits with the version's ``residual``)."""
+    (the exact bits with the version's ``residual``). With ``include_all``: every tensor under
+    its stored path (safetensors is flat), the structure the paths came from as JSON in the
+    file's metadata (``inshrink_structure``: the skeleton of docs/reference/names.md, scalars
+    such as ``param_groups`` included), and ``inshrink_param_names`` (parameter index ->
+    name) where the version knows them."""
     tensors = export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
-    save_safetensors(tensors, path)
+    metadata = {}
+    if include_all:
+        skeleton = reader.attributes.get(STRUCTURE_ATTR)
+        if skeleton is not None:
+            metadata["inshrink_structure"] = json.dumps(skeleton, separators=(",", ":"))
+        if reader.param_names():
+            metadata["inshrink_param_names"] = json.dumps({str(i): n for i, n in sorted(reader.param_names().items())})
+    save_safetensors(tensors, path, metadata)
     return len(tensors)
+
+
+def export_state(reader: Any, *, include_all: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> Any:
+    """What :func:`export_torch` writes: the model's state dict by state-dict key, or with
+    ``include_all`` the version's whole state as it was saved (``{"model": ..., "optimizer":
+    ..., "extra": ...}``, optimizer state by parameter index as torch's ``load_state_dict``
+    takes it), numpy arrays in it as tensors (torch.load(weights_only=True) reads no numpy).
+    A version saved without structure (plain ``repo.save``) gives its tensors by stored path;
+    the model's state dict keeps the order it was saved in."""
+    if reader.attributes.get(STRUCTURE_ATTR) is None or not (include_all or "model/" in _tops(reader)):
+        return export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
+    prefix = None if include_all else "model"
+    return _numpy_as_tensors(reader_state(reader, prefix=prefix, residual=residual, progress=progress))
+
+
+def _tops(reader: Any) -> set[str]:
+    """The first components of a version's stored paths, each with its ``/``."""
+    return {p.split("/", 1)[0] + "/" for p in reader.names()}
+
+
+def _numpy_as_tensors(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj, order="C"))
+    if isinstance(obj, dict):
+        return {k: _numpy_as_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_numpy_as_tensors(v) for v in obj]
+    if isinstance(obj, tuple):  # torch.Size holds ints only: never a numpy array
+        return obj if isinstance(obj, torch.Size) else tuple(_numpy_as_tensors(v) for v in obj)
+    return obj
+
+
+def export_torch(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> int:
+    """:func:`export_state` to a ``torch.save`` file (temp file, then rename) that loads with
+    ``torch.load(weights_only=True)``: ``model.load_state_dict(torch.load(path))``, or with
+    ``include_all`` ``loaded["model"]`` and ``loaded["optimizer"]`` into the model and its
+    optimizer. Returns the number of tensors written."""
+    state = export_state(reader, include_all=include_all, progress=progress, residual=residual)
+    _atomic(Path(path), lambda tmp: torch.save(state, tmp))
+    if include_all and reader.attributes.get(STRUCTURE_ATTR) is not None:
+        return len(reader.names())
+    return len(state)
