@@ -1,4 +1,4 @@
-"""Issue 33, item 6: one naming rule for a tensor, in Python and in the CLI.
+"""One naming rule for a tensor, in Python and in the CLI.
 
 A model wrapped the way sentence-transformers wraps one saves its weights under
 ``model/0.auto_model.encoder...``. ``inshrink show URL REF encoder.layer.0.attention.self.query.weight``

@@ -1,4 +1,4 @@
-"""Issue 33, item 9: a file that is not a checkpoint, or a URL with a scheme the store does
+"""A file that is not a checkpoint, or a URL with a scheme the store does
 not support, is one clear line naming what is wrong and what is read instead.
 
 Before: a text file saved as ``.pt`` said ``KeyError: 101``; ``inshrink import README.md``

@@ -1,4 +1,4 @@
-"""Issue 12: the CLI's rough edges.
+"""The CLI's rough edges.
 
 Backends fail in one line and fast; out-of-range options are usage errors (exit 2);
 nothing surprising happens silently (export format, orphaned quantization options,

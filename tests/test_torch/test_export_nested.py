@@ -1,4 +1,4 @@
-"""Issue 33, item 5: exports that load back, and moments named by their parameters.
+"""Exports that load back, and moments named by their parameters.
 
 ``inshrink export --all out.pt`` (and the Python ``export_torch``) write the saved structure,
 ``{"model": state_dict, "optimizer": optimizer_state_dict, ...}``, which
