@@ -87,8 +87,8 @@ RAW_FLOATS_MAX = 64
 #: biases and norms of a few KiB the XOR planes never came out clearly smaller (the demo's and
 #: the training benchmark's stored bytes are identical with and without the attempt)
 FLOAT_DELTA_MIN = 16 << 10
-#: set to 1 to decode every object before it is stored and compare it with the payload it was
-#: meant to hold (on in the test suite and in CI; costs one decode per stored object)
+#: set to 1 to decode raw-float objects too before they are stored and compare them with the
+#: payload they were meant to hold (quantized ones always are); on in the test suite and in CI
 VERIFY_WRITES_ENV = "INSHRINK_VERIFY_WRITES"
 MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
@@ -176,10 +176,11 @@ def stream_limit(kind: int, coder: int, logical_length: int, body_len: int) -> i
     return logical_length
 
 
-def _check_stream(kind: int, coder: int, logical_length: int, stream: bytes | memoryview) -> None:
-    """Writer side of :func:`stream_limit`: a stream past the reader's bound is a bug here,
-    raised before anything is stored, never a version committed that cannot be read back."""
-    limit = stream_limit(kind, coder, logical_length, 0)
+def _check_stream(coder: int, logical_length: int, stream: bytes | memoryview) -> None:
+    """Writer side of :func:`stream_limit` for a keyframe's stream (the writer zstd-codes no
+    delta): a stream past the reader's bound is a bug here, raised before anything is
+    stored, never a version committed that cannot be read back."""
+    limit = stream_limit(KIND_WHOLE, coder, logical_length, 0)
     if memoryview(stream).nbytes > limit:
         raise WriteCheckError(
             f"Expected the coder {coder} stream of a {logical_length}-byte payload to hold at "
@@ -275,7 +276,12 @@ class ObjectStore:
             if oid == base or self.storage.exists_durably(object_path(oid)):
                 return PutResult(oid, 0, -1)
             stored = self._encode_floats(view, base, element)
-            self._check_writable(oid, stored, view)
+            try:
+                self._check_writable(oid, stored, view)
+            except WriteCheckError:
+                if content_id(view) == oid:
+                    raise
+                # the caller's tensor moved under the coder: theirs to fix, not our bug
             if content_id(view) != oid:  # read where they lie: they must not move meanwhile
                 raise InvalidInputError(
                     f"Expected the {element} values of a chunk to stay unchanged while they are "
@@ -300,16 +306,20 @@ class ObjectStore:
 
     def _check_writable(self, oid: str, stored: bytes, payload: bytes | memoryview) -> None:
         """Read your writes: the header's declared sizes must pass the bounds the reader checks
-        (:func:`parse_header`, always, a few comparisons); with ``INSHRINK_VERIFY_WRITES=1``
-        the object is also decoded as a reader will, its base included, and must give back
-        ``payload`` bit for bit. Either failure is a :class:`WriteCheckError` naming the coder,
-        raised before the object is stored, so the version is never committed."""
+        (:func:`parse_header`, always, a few comparisons). A quantized object (zstd or packed
+        ids, or a level-id delta) is then decoded as a reader will, its base included, and
+        must give back ``payload`` bit for bit: always, since decoding ids is cheap beside
+        quantizing them, and the read-back defect of e41198a..a828d53 was in that path; raw
+        floats (coder 3) too with ``INSHRINK_VERIFY_WRITES=1`` (their decode costs about half
+        their encode). Either failure is a :class:`WriteCheckError` naming the coder, raised
+        before the object is stored, so the version is never committed."""
         try:
             header = parse_header(oid, stored, len(stored))
         except IntegrityError as exc:
             raise WriteCheckError(f"Expected object {oid} to pass its reader's bounds before it is "
                                   f"stored. Got: {exc}") from None
-        if not verify_writes():
+        quantized = header.coder in (CODER_ZSTD, CODER_PACKED_ZSTD) or (header.is_delta and header.coder == CODER_NONE)
+        if not (quantized or verify_writes()):
             return
         base = None if header.base is None else self.get(header.base)
         try:
@@ -507,12 +517,14 @@ def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tu
                                                                LOSSLESS_LEVEL, "zstd+huffman"))
     if not is_quantized_payload(payload):
         return CODER_NONE, bytes(payload)
-    _check_stream(KIND_WHOLE, CODER_ZSTD, len(payload), payload)
     body = _zstd.compress(payload, ZSTD_LEVEL)
     if _nibbles.packable(payload):
         stream = _nibbles.pack(payload)
-        _check_stream(KIND_WHOLE, CODER_PACKED_ZSTD, len(payload), stream)
-        packed = _zstd.compress(stream, ZSTD_LEVEL)
+        _check_stream(CODER_PACKED_ZSTD, len(payload), stream)
+        # a packed stream longer than its payload is never written, though readers take it:
+        # releases e41198a..a828d53 refuse such objects, and a store may be read by one
+        # not yet upgraded (such streams are rare: most ids escaped)
+        packed = _zstd.compress(stream, ZSTD_LEVEL) if len(stream) <= len(payload) else body
         if len(packed) < len(body):
             return CODER_PACKED_ZSTD, packed
     return CODER_ZSTD, body
