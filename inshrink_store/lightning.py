@@ -8,8 +8,10 @@ Lightning itself still thinks in file paths: ``ModelCheckpoint`` names its check
 which exist, and resolves ``ckpt_path="last"`` by listing its folder. So each save also
 
 - tags its version with a name made from the path (:func:`tag_for`): the tag is what keeps the
-  version, and ``remove_checkpoint`` (``save_top_k``) drops it, then a gc collects what no tag
-  or other branch keeps (objects shared with kept versions stay: gc marks what is reachable);
+  version, and ``remove_checkpoint`` (``save_top_k``) drops it, then a gc collects the versions
+  this IO wrote that no tag, other branch or the head keeps. Every version it did not write
+  (a base model ``inshrink import`` put on the branch, your own ``repo.save``) is kept like a
+  tag, and objects shared with kept versions stay (gc marks what is reachable);
 - writes a small JSON *pointer* file at the path (store, snapshot, tag): Lightning's own file
   checks (``"last"``, ``-v1`` suffixes, ``save_last="link"``) then work as with torch files.
 
@@ -46,6 +48,7 @@ from inshrink_store.errors import (
     NotFoundError,
     require,
 )
+from inshrink_store.layout import branch_ref_path
 from inshrink_store.policy import QuantConfig, StatePlanner
 from inshrink_store.refs import check_name
 from inshrink_store.repository import Repository
@@ -213,13 +216,14 @@ class InshrinkCheckpointIO(CheckpointIO):
 
     ``url``: a path, ``memory://``, ``s3://`` or ``gs://`` URL (the store is created on first
     use) or an open :class:`~inshrink_store.repository.Repository`. ``branch``: the branch the
-    versions go on; it is trimmed to the versions some checkpoint path still names (plus its
-    head), so give a run a branch of its own in a shared store. ``quantize``: None (lossless,
-    bit-exact: the default, for an exact resume) or a :class:`~inshrink_store.policy.QuantConfig`
-    for the model's weights (``state_dict/``), everything else stays exact; then the newest
-    ``exact_resume`` versions (default 1) also keep a restore residual, so a resume from them is
-    bit-exact. ``background=True`` copies the tensors and commits on a thread, in order with
-    removals and loads (see the guide, docs/guides/lightning.md).
+    versions go on; of the versions this IO wrote there, its gc keeps those some checkpoint path
+    still names (plus the head), and never collects a version it did not write (a base model,
+    your own saves). ``quantize``: None (lossless, bit-exact: the default, for an exact resume)
+    or a :class:`~inshrink_store.policy.QuantConfig` for the model's weights (``state_dict/``),
+    everything else stays exact; then the newest ``exact_resume`` versions (default 1) also keep
+    a restore residual, so a resume from them is bit-exact. ``background=True`` copies the
+    tensors and commits on a thread, in order with removals and loads (see the guide,
+    docs/guides/lightning.md).
     """
 
     def __init__(self, url: str | Repository, *, branch: str = "main", quantize: QuantConfig | None = None,
@@ -245,6 +249,8 @@ class InshrinkCheckpointIO(CheckpointIO):
         self._pending: list[Future[Any]] = []
         self._error: BaseException | None = None
         self._gc_due, self._saves_since_due = False, 0
+        #: snapshot id -> (written by this plugin, parent), for the gc; documents never change
+        self._versions: dict[str, tuple[bool, str | None]] = {}
         #: the report of the last gc (after a removal or a moved tag), or None
         self.last_gc: Any = None
 
@@ -303,8 +309,9 @@ class InshrinkCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Drop the tag (and pointer) of ``path``, then gc this branch: the version goes unless
-        another tag, another branch or the branch head keeps it; objects kept versions share
-        stay. A path never saved here is nothing to remove."""
+        another tag, another branch or the branch head keeps it; versions the plugin did not
+        write and objects kept versions share stay. A path never saved here is nothing to
+        remove."""
         self._raise_failure()
         if self.background:
             self._submit(self._remove, path)
@@ -400,12 +407,13 @@ class InshrinkCheckpointIO(CheckpointIO):
             return True
 
     def _collect(self) -> None:
-        """One gc that keeps this branch's head, every tag and every other branch's history.
-        Never raises into training: a gc that a commit in progress refuses (or that fails) is
-        logged and run again at the next removal or save."""
+        """One gc that keeps this branch's head, every tag, every other branch's history and
+        every version of this branch the plugin did not write: it collects only checkpoints of
+        its own whose tag is gone. Never raises into training: a gc that a commit in progress
+        refuses (or that fails) is logged and run again at the next removal or save."""
         repo = self.repo
         parts = repo._parts
-        scoped = replace(parts, refs=_OtherBranchesKept(parts, self.branch))
+        scoped = replace(parts, refs=_OnlyOwnCheckpointsCollected(parts, self.branch, self._versions))
         try:
             self.last_gc = GarbageCollector(scoped, 1).run()
             self._gc_due, self._saves_since_due = False, 0
@@ -448,6 +456,59 @@ class InshrinkCheckpointIO(CheckpointIO):
             raise BackgroundSaveError(
                 f"Expected the background checkpoint save to succeed. Got {type(error).__name__}: {error} "
                 "instead; nothing after it was written. Fix the cause and save again.") from error
+
+
+class _OnlyOwnCheckpointsCollected(_OtherBranchesKept):
+    """The view of :class:`_OtherBranchesKept` (other branches kept), plus, as tags, every
+    version of the plugin's branch whose metadata has no ``"lightning"`` record of a checkpoint:
+    the plugin's gc collects nothing it did not write.
+
+    Why every ref file of the branch, not just its head: the gc deletes the plugin's versions
+    between a plain version and the head, so a walk from the head stops at the first gap; a
+    kept version keeps the ref file its commit wrote (gc deletes old ref files only when their
+    version goes), so a walk from each ref file reaches every plain version still there."""
+
+    def __init__(self, parts: Any, branch: str, versions: dict[str, tuple[bool, str | None]]) -> None:
+        super().__init__(parts, branch)
+        self._versions = versions
+
+    def tags(self) -> dict[str, str]:
+        present = set(self._history.ids())
+        for gone in set(self._versions) - present:  # collected since: not to be walked through
+            del self._versions[gone]
+        kept: set[str] = set()
+        seen: set[str] = set()
+        for seq in self.branch_seqs().get(self._branch, []):
+            with contextlib.suppress(FileNotFoundError, InshrinkError):
+                current: str | None = self.read(branch_ref_path(self._branch, seq))
+                while current is not None and current not in seen:
+                    seen.add(current)
+                    found = self._version(current) if current in present else None
+                    if found is None:
+                        break  # gone: collected by an earlier gc, this history ends here
+                    ours, parent = found
+                    if not ours:
+                        kept.add(current)
+                    current = parent
+        return {**{f"{sid} (not the plugin's)": sid for sid in kept}, **super().tags()}
+
+    def _version(self, snapshot_id: str) -> tuple[bool, str | None] | None:
+        """(written by the plugin, parent) of a version, or None where it is missing."""
+        found = self._versions.get(snapshot_id)
+        if found is None:
+            try:
+                info = self._history.get(snapshot_id)
+            except InshrinkError:
+                return None
+            found = self._versions[snapshot_id] = (_written_by_plugin(info.metadata), info.parent)
+        return found
+
+
+def _written_by_plugin(metadata: Mapping[str, Any]) -> bool:
+    """Whether a version's metadata has the record ``_save`` writes (path and tag)."""
+    record = metadata.get("lightning")
+    return (isinstance(record, Mapping) and isinstance(record.get("path"), str)
+            and isinstance(record.get("tag"), str) and record["tag"].startswith(_TAG_PREFIX))
 
 
 def _exact_resume(value: int | None, quantize: QuantConfig | None) -> int:

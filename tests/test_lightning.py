@@ -17,6 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("lightning")
@@ -240,6 +241,44 @@ def test_a_path_saved_again_leaves_at_most_two_old_versions(tmp_path: Path) -> N
     io.teardown()
     assert len(io.repo.snapshot_ids()) == 1 and io.repo.verify().problems == []
     assert io.load_checkpoint(tmp_path / "last.ckpt")["epoch"] == 5
+
+
+def test_gc_collects_only_what_the_plugin_wrote(tmp_path: Path) -> None:
+    """Versions already on the branch (an imported base model, the user's own saves, one made
+    between checkpoints) are never the plugin's to collect: only its own removed or superseded
+    checkpoints go, whatever save_top_k and the default branch."""
+    store = tmp_path / "store"
+    repo = ins.open(str(store), create=True)
+    base: dict[str, np.ndarray] = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64),
+                                   "b": np.ones(7, dtype=np.float32)}
+    mine: dict[str, np.ndarray] = {"w": base["w"] * 2, "note": np.arange(5, dtype=np.int64)}
+    plain = [repo.save(base, message="base model").id, repo.save(mine, message="my save").id]
+
+    callback = ModelCheckpoint(save_top_k=1, monitor="val/loss", every_n_epochs=1)
+    fit(tmp_path, InshrinkCheckpointIO(str(store)), [callback])  # branch="main", the default
+
+    repo = ins.open(str(store))
+    ids = set(repo.snapshot_ids())
+    kept = {sid for t, sid in repo.tags().items() if t.startswith("ckpt-")}
+    assert set(plain) <= ids
+    assert ids == {*plain, *kept}  # the plugin's removed checkpoints (EPOCHS - 1 of them) are gone
+    assert len(kept) == 1 and tag_for(callback.best_model_path) in repo.tags()
+    for sid, arrays in zip(plain, (base, mine), strict=True):
+        loaded = repo.load(sid)
+        assert set(loaded) == set(arrays) and all(np.array_equal(loaded[k], arrays[k]) for k in arrays)
+    assert repo.verify().ok
+
+    # a plain version saved on top of the plugin's, then a removal: still kept, and so are the
+    # older plain ones, below a history whose plugin versions are gone
+    later = repo.save(mine, message="after training").id
+    io = InshrinkCheckpointIO(str(store))
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "epoch": 9}, tmp_path / "extra.ckpt")
+    io.remove_checkpoint(callback.best_model_path)
+    io.remove_checkpoint(tmp_path / "extra.ckpt")
+    ids = set(repo.snapshot_ids())
+    assert {*plain, later} <= ids and len(ids) == 4  # and the head, the last save
+    assert all(np.array_equal(repo.load(later)[k], mine[k]) for k in mine)
+    assert repo.verify().ok
 
 
 def test_compressed_weights_and_exact_newest(tmp_path: Path) -> None:
