@@ -266,7 +266,8 @@ class SnapshotReader:
 
     def read_float(self, name: str) -> np.ndarray:
         """Values as float (dtypes carried as bits, such as BF16, widened to float32), for
-        statistics and comparisons."""
+        statistics and comparisons. Complex tensors come back complex: they have no float
+        value, and a cast to float would drop the imaginary part."""
         path = self.resolve_name(name)
         data = self.read(path)
         entry = dtypes.REGISTRY.get(self._info(path).dtype)

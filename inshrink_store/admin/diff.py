@@ -113,9 +113,15 @@ def _bytes_differ(a: SnapshotReader, b: SnapshotReader, path: str) -> bool:
 
 
 def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tuple[float, float]:
-    """(max |b - a|, ||b - a|| / ||a||) over finite values; ``b`` None means b == a."""
-    va = a.read_float(path).astype(np.float64)
-    vb = va if b is None else b.read_float(path).astype(np.float64)
+    """(max |b - a|, ||b - a|| / ||a||) over finite values; ``b`` None means b == a.
+
+    In float64, or complex128 where either side is complex: the modulus of the complex
+    difference, never the real part alone (a cast to float drops the imaginary part)."""
+    raw_a = a.read_float(path)
+    raw_b = raw_a if b is None else b.read_float(path)
+    wide = np.complex128 if np.iscomplexobj(raw_a) or np.iscomplexobj(raw_b) else np.float64
+    va = raw_a.astype(wide)
+    vb = va if b is None else raw_b.astype(wide)
     if va.size == 0:
         return 0.0, 0.0
     delta = vb - va
