@@ -85,11 +85,12 @@ def test_ref_past_gc_cut_is_not_found(repo: ins.Repository) -> None:
 
 
 # -- names and dtypes ----------------------------------------------------------------------------
-def test_complex_dtype_names_the_tensor(repo: ins.Repository) -> None:
+def test_an_unsupported_dtype_names_the_tensor(repo: ins.Repository) -> None:
+    """complex64 is stored since issue 33; extended precision still is not."""
     before = repo.resolve("main")
     with pytest.raises(ins.FormatError, match="'opt/z'") as info:
-        repo.save({"ok": np.ones(2, np.float32), "opt/z": np.ones(3, np.complex64)})
-    assert "complex64" in str(info.value)
+        repo.save({"ok": np.ones(2, np.float32), "opt/z": np.ones(3, np.clongdouble)})
+    assert "complex" in str(info.value)
     assert repo.resolve("main") == before
 
 
