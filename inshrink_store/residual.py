@@ -242,12 +242,14 @@ class Residual:
         return apply(self.objects, self.arrays[path], stored, path)
 
 
-def near_heads(history: Any, heads: Iterable[str]) -> dict[str, str]:
-    """Residual id -> snapshot for every version that keeps its residual: the versions less
-    than their own ``keep_newest`` below a branch head. ``keep_newest`` is at most
-    :data:`MAX_KEEP_NEWEST`, so this reads at most that many snapshots per branch, whatever
-    the length of the history (what lets the Checkpointer drop old residuals cheaply)."""
-    out: dict[str, str] = {}
+def near_heads(history: Any, heads: Iterable[str]) -> dict[str, set[str]]:
+    """Residual id -> the snapshots that keep it: every version less than its own
+    ``keep_newest`` below a branch head. A set, since documents are addressed by content:
+    identical saves name one document, and it is needed while any of them keeps it.
+    ``keep_newest`` is at most :data:`MAX_KEEP_NEWEST`, so this reads at most that many
+    snapshots per branch, whatever the length of the history (what lets the Checkpointer
+    drop old residuals cheaply)."""
+    out: dict[str, set[str]] = {}
     for head in heads:
         current: str | None = head
         distance = 0
@@ -259,7 +261,7 @@ def near_heads(history: Any, heads: Iterable[str]) -> dict[str, str]:
                 break
             if keeps(distance, ref):
                 assert ref is not None
-                out[ref.id] = current
+                out.setdefault(ref.id, set()).add(current)
             current, distance = info.parent, distance + 1
     return out
 

@@ -208,7 +208,8 @@ def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
     """Only the restore residuals no version keeps any more, and their pieces.
 
     The kept residuals are found near the branch heads
-    (:func:`inshrink_store.residual.near_heads`), and a dropped document's pieces are deleted
+    (:func:`inshrink_store.residual.near_heads`; a document shared by several versions is kept
+    while any of them keeps it), and a dropped document's pieces are deleted
     unless a kept document lists them, the object starts with
     :data:`~inshrink_store.residual.PIECE_MAGIC`, and no committed version reaches it. Why the
     last: objects are addressed by content, so a lossless float chunk whose raw bits equal a

@@ -18,8 +18,9 @@ class Reachable:
     snapshots: set[str] = field(default_factory=set)
     trees: set[str] = field(default_factory=set)
     objects: dict[str, set[tuple[str, str]]] = field(default_factory=dict)  # oid -> {(snap, tensor)}
-    #: restore residual documents kept (their pieces are in ``objects``), by snapshot
-    residuals: dict[str, str] = field(default_factory=dict)  # residual id -> snapshot id
+    #: restore residual documents kept (their pieces are in ``objects``), with the kept
+    #: snapshots that keep each (identical saves share one document)
+    residuals: dict[str, set[str]] = field(default_factory=dict)  # residual id -> snapshot ids
     #: refs whose snapshot is missing ("tag best -> 1f2e..."): reported, never fatal
     dangling: list[str] = field(default_factory=list)
 
@@ -92,23 +93,27 @@ def reachable(parts: StoreParts, keep_last: int | None = None, progress: Progres
                 out.objects.setdefault(oid, set()).add((sid, path))
         if progress:
             progress(sid, i + 1, len(out.snapshots))
-    for rid, sid in kept_residuals(parts, out.snapshots).items():
-        out.residuals[rid] = sid
+    for rid, sids in kept_residuals(parts, out.snapshots).items():
+        out.residuals[rid] = sids
         try:
             arrays = residual.load(parts.storage, rid)
         except InshrinkError:
             continue  # missing or damaged: verify reports it; gc keeps the id and moves on
         for path, array in arrays.items():
             for oid in array.pieces:
-                out.objects.setdefault(oid, set()).add((sid, f"residual of {path}"))
+                out.objects.setdefault(oid, set()).update((sid, f"residual of {path}") for sid in sids)
     return out
 
 
-def kept_residuals(parts: StoreParts, kept: set[str]) -> dict[str, str]:
-    """Residual id -> snapshot for every kept version among the ``keep_newest`` newest of a
-    branch (each version says its own ``keep_newest``). Tags keep a version, not its residual."""
-    return {rid: sid for rid, sid in residual.near_heads(parts.history, parts.refs.branches().values()).items()
-            if sid in kept}
+def kept_residuals(parts: StoreParts, kept: set[str]) -> dict[str, set[str]]:
+    """Residual id -> the kept versions among the ``keep_newest`` newest of a branch that
+    name it (each version says its own ``keep_newest``). A document is kept while any version
+    using it is: identical saves share one. Tags keep a version, not its residual."""
+    out: dict[str, set[str]] = {}
+    for rid, sids in residual.near_heads(parts.history, parts.refs.branches().values()).items():
+        if sids & kept:
+            out[rid] = sids & kept
+    return out
 
 
 def with_bases(parts: StoreParts, oids: Iterable[str]) -> set[str]:

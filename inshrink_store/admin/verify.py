@@ -74,13 +74,13 @@ def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
         except InshrinkError as exc:
             problems.append(Problem("tree", sid, str(exc)))
     kept = kept_residuals(parts, snapshots)
-    for rid, sid in kept.items():  # the newest versions' restore residuals
+    for rid, sids in kept.items():  # the newest versions' restore residuals
         try:
             for path, array in residual.load(parts.storage, rid).items():
                 for oid in array.pieces:
-                    users.setdefault(oid, set()).add((sid, f"residual of {path}"))
+                    users.setdefault(oid, set()).update((sid, f"residual of {path}") for sid in sids)
         except InshrinkError as exc:
-            problems.append(Problem("residual", rid, str(exc), [(sid, "restore residual")]))
+            problems.append(Problem("residual", rid, str(exc), [(sid, "restore residual") for sid in sorted(sids)]))
     deltas = 0
     for i, oid in enumerate(sorted(users)):
         try:
@@ -95,29 +95,42 @@ def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
     return VerifyReport(len(snapshots), trees, len(users), deltas, problems)
 
 
-def _residual_mismatches(parts: StoreParts, fresh: ObjectStore, kept: dict[str, str],
+def _residual_mismatches(parts: StoreParts, fresh: ObjectStore, kept: dict[str, set[str]],
                          bad: set[str]) -> list[Problem]:
-    """Every kept residual applied to its version's stored tensors, each checked against its
-    checksum. Why: pieces that all decode can still belong to other stored bits (a rebase that
-    kept the old parent's entry for a tensor it took from the new head did that), and then only
-    an exact restore would find out. Damaged objects (``bad``) and unreadable documents are
-    reported already: skipped here."""
+    """Every kept residual applied to the stored tensors of each version keeping it (identical
+    saves share a document, and each version's tensors must match it), each checked against
+    its checksum. Why: pieces that all decode can still belong to other stored bits (a rebase
+    that kept the old parent's entry for a tensor it took from the new head did that), and
+    then only an exact restore would find out. Damaged objects (``bad``) and unreadable
+    documents and snapshots are reported already: skipped here."""
     problems: list[Problem] = []
-    for rid, sid in sorted(kept.items()):
+    for rid, sids in sorted(kept.items()):
         try:
             arrays = residual.load(parts.storage, rid)
-            reader = parts.reader(parts.history.get(sid), objects=fresh)
-            infos = reader.arrays()
         except InshrinkError:
             continue
-        for path, array in sorted(arrays.items()):
-            error = _residual_error(reader, infos.get(path), fresh, array, bad, path)
-            if error is not None:
-                problems.append(Problem("residual", rid, (
-                    f"Expected residual {rid} of snapshot {sid[:12]} to restore its tensor {path!r}. Got "
-                    f"{error} instead: the entry belongs to other stored bits; the stored values still read "
-                    "(load_state(exact=False)), save the state again for an exact restore."),
-                    [(sid, f"residual of {path}")]))
+        for sid in sorted(sids):
+            problems.extend(_version_mismatches(parts, fresh, rid, sid, arrays, bad))
+    return problems
+
+
+def _version_mismatches(parts: StoreParts, fresh: ObjectStore, rid: str, sid: str,
+                        arrays: dict[str, residual.ResidualArray], bad: set[str]) -> list[Problem]:
+    """The entries of document ``rid`` that do not restore snapshot ``sid``'s tensors."""
+    problems: list[Problem] = []
+    try:
+        reader = parts.reader(parts.history.get(sid), objects=fresh)
+        infos = reader.arrays()
+    except InshrinkError:
+        return problems
+    for path, array in sorted(arrays.items()):
+        error = _residual_error(reader, infos.get(path), fresh, array, bad, path)
+        if error is not None:
+            problems.append(Problem("residual", rid, (
+                f"Expected residual {rid} of snapshot {sid[:12]} to restore its tensor {path!r}. Got "
+                f"{error} instead: the entry belongs to other stored bits; the stored values still read "
+                "(load_state(exact=False)), save the state again for an exact restore."),
+                [(sid, f"residual of {path}")]))
     return problems
 
 
