@@ -11,7 +11,7 @@ makes the next save delta-code against it, so the chain survives a failure.
 ``extra_state`` objects (an LR scheduler, :class:`RNGState`, a sampler) and the ``extra``
 of each save travel in the same version under ``extra/``: tensors and JSON scalars, no
 pickle. A :class:`Retention` tags the versions kept for good (``keep-<step>``) and the
-best by a metric (``best-<step>``, moved as better ones come) and, after each commit, runs a
+best by a metric (``best-<step>-<id8>``, dropped as better ones come) and, after each commit, runs a
 gc that keeps the ``max_to_keep`` newest versions of the Checkpointer's branch (every other
 branch keeps its whole history) on a background thread; a gc that a commit in progress
 refuses is only logged and runs again after the next save.
@@ -109,13 +109,17 @@ class Retention:
     ``keep-<step>`` (``keep-<branch>-<step>`` off ``main``) and so kept for good.
     ``keep_best`` with ``metric`` (and ``mode``, ``"min"`` or ``"max"``): the ``keep_best``
     versions with the best ``metrics[metric]`` of ``save(step, metrics=...)`` are tagged
-    ``best-<step>`` (``best-<branch>-<step>`` off ``main``); a version that drops out of them
-    loses its tag, so gc collects it unless it is among the newest. A version without the
-    metric (or with NaN) is never best; a tie keeps the earlier version. The ``best-`` tags of
-    the branch are the Retention's: a restarted run ranks against them, and moves or deletes
-    them. Tags are refs: every tag, yours included, keeps its version whatever this says. Only
-    this branch is trimmed: every version in the history of another branch is kept, since
-    another run (or a person) owns it.
+    ``best-<step>-<id8>`` (``best-<branch>-<step>-<id8>`` off ``main``; ``none`` for the step of
+    a version saved without one), ``<id8>`` the first 8 digits of its snapshot id, so a version
+    saved again at an earlier step (after a restore) never takes another's tag. A version that
+    drops out of them loses its tag, so gc collects it unless it is among the newest. A version
+    without the metric (or with NaN) is never best; a tie keeps the earlier version. A restarted
+    run ranks against the branch's best tags (``best-<step>`` ones from before ``<id8>`` too,
+    which it never deletes) and, before its first gc, the branch's recent versions, so a best
+    version whose tag a crash cut off is tagged then. The Retention deletes only a tag of that
+    form whose ``<id8>`` is its version's. Tags are refs: every tag, yours included, keeps its
+    version whatever this says. Only this branch is trimmed: every version in the history of
+    another branch is kept, since another run (or a person) owns it.
     """
 
     max_to_keep: int
@@ -168,14 +172,26 @@ class Retention:
             return None
         return f"keep-{step}" if branch == "main" else f"keep-{branch}-{step}"
 
-    def best_tag_for(self, step: int, branch: str = "main") -> str:
-        """The tag that keeps the version of ``step`` while it is among the best."""
-        return f"{self._best_prefix(branch)}{step}"
+    def best_tag_for(self, step: int | None, snapshot_id: str, branch: str = "main") -> str:
+        """The tag that keeps version ``snapshot_id`` (saved at ``step``) while it is among the
+        best: one name per version, so no other version ever takes it."""
+        return f"{self._best_prefix(branch)}{'none' if step is None else step}-{snapshot_id[:8]}"
 
     def best_tags(self, tags: Mapping[str, str], branch: str = "main") -> dict[str, str]:
-        """The tags among ``tags`` (name -> snapshot id) that :meth:`best_tag_for` names on ``branch``."""
-        pattern = re.compile(re.escape(self._best_prefix(branch)) + r"-?[0-9]+")
-        return {name: sid for name, sid in tags.items() if pattern.fullmatch(name)}
+        """The tags among ``tags`` (name -> snapshot id) that :meth:`best_tag_for` names on
+        ``branch``: the pattern, and the id prefix of the version the tag holds. Only these are
+        ever deleted; any other tag is left as it is."""
+        pattern = re.compile(re.escape(self._best_prefix(branch)) + r"(?:none|-?[0-9]+)-([0-9a-f]{8})")
+        return {name: sid for name, sid in tags.items()
+                if (match := pattern.fullmatch(name)) is not None and sid.startswith(match.group(1))}
+
+    def legacy_best_tags(self, tags: Mapping[str, str], branch: str = "main") -> dict[str, tuple[str, int]]:
+        """The ``best-<step>`` tags (``best-<branch>-<step>``) among ``tags``, as the Retention
+        named them before ``<id8>``: name -> (snapshot id, step). Ranked when they hold a version
+        of that step, never deleted: a person may have made one by hand."""
+        pattern = re.compile(re.escape(self._best_prefix(branch)) + r"(-?[0-9]+)")
+        return {name: (sid, int(match.group(1))) for name, sid in tags.items()
+                if (match := pattern.fullmatch(name)) is not None}
 
     def value(self, metrics: Mapping[str, float]) -> float | None:
         """The metric a version is ranked by: None when it has none (or NaN), so it is never best."""
@@ -395,8 +411,12 @@ class Checkpointer:
         self._closed = False
         # retention: tags not yet created (gc waits for them) and the gc thread's state
         self._untagged: list[tuple[str, str]] = []
-        # keep_best: snapshot id -> (metric, step), or None without the metric (read once a run)
-        self._metric_values: dict[str, tuple[float, int | None] | None] = {}
+        # keep_best: snapshot id -> (sort key, commit time, step), or None without the metric
+        # (read once a run); _rescan: rank the branch's recent versions at the next save (the
+        # first of a run or after a restore), for a best version a crash left untagged
+        self._metric_values: dict[str, tuple[float, str, int | None] | None] = {}
+        self._rescan = True
+        self._left_alone: set[str] = set()  # old-style best tags outranked (logged once)
         # gc runs after commits for retention, and to collect restore residuals that fell out
         # of the newest exact_resume versions
         self._gc_pool = (ThreadPoolExecutor(1, thread_name_prefix="inshrink-gc")
@@ -553,6 +573,7 @@ class Checkpointer:
             _load_into(obj, extras[name])
         self.extra = dict(extras)
         self._parent = snapshot_id
+        self._rescan = True
         recorded = info.metadata.get("quantization")
         self._previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
         self._ema.clear()
@@ -642,9 +663,10 @@ class Checkpointer:
         """After a commit: tag it if it is kept for good, then ask for a gc. The commit has
         happened, so nothing here raises: what fails is logged and tried after the next save."""
         assert self.retention is not None
-        for name in (self.retention.tag_for(info.step, self.branch), self._best_tag(info)):
-            if name is not None:
-                self._untagged.append((name, info.id))
+        keep = self.retention.tag_for(info.step, self.branch)
+        if keep is not None:
+            self._untagged.append((keep, info.id))
+        self._untagged += self._best_due(info)
         self._untagged = [(n, sid) for n, sid in self._untagged if not self._tag(n, sid)]
         self._trim_best()
         if self._untagged:  # a gc now could collect a version a missing tag must keep
@@ -652,60 +674,110 @@ class Checkpointer:
             return
         self._request_gc()
 
-    def _best_tag(self, info: Any) -> str | None:
-        """``info``'s best tag if it ranks among the ``keep_best`` best tagged so far (None: not
-        asked for, no metric, or not better than the k-th). When the tagged ones cannot be read
-        it is tagged anyway: a tag too many is safe, and the next trim ranks it."""
+    def _best_due(self, info: Any) -> list[tuple[str, str]]:
+        """The best tags to create after ``info``'s commit, as (name, snapshot id): its own if it
+        ranks among the ``keep_best`` best, and, at the first save of a run or after a restore,
+        those of the branch's recent versions that rank so but hold no best tag (a run that
+        stopped between a commit and its tag). When the ranking cannot be read ``info`` is
+        tagged anyway (if it has the metric): a tag too many is safe, the next trim ranks it."""
         retention = self.retention
         assert retention is not None
-        value = retention.value(info.metrics) if retention.keep_best is not None else None
-        if retention.keep_best is None or value is None:
-            return None
-        self._metric_values[info.id] = (value, info.step)
-        name = retention.best_tag_for(info.step, self.branch)
+        if retention.keep_best is None:
+            return []
+        candidates = [info]
         try:
-            ranked = self._ranked_best()
+            if self._rescan:  # the newest (gc keeps them) and the best that may lack their tag
+                candidates += self.repo.log(info.id, limit=2 * max(retention.keep_best, retention.max_to_keep))
+            ranked = self._ranked_best(candidates)
         except (InshrinkError, OSError) as exc:
+            known = self._known(info.id, info)
+            if known is None:
+                return []
+            name = retention.best_tag_for(info.step, info.id, self.branch)
             log.warning("retention: could not rank %s (%s); tagging it until the next save ranks it", name, exc)
-            return name
-        ranked = [r for r in ranked if r[2] != info.id]
-        if len(ranked) >= retention.keep_best and retention.sort_key(value) >= ranked[retention.keep_best - 1][0]:
-            return None
-        return name
+            return [(name, info.id)]
+        self._rescan = False
+        pending = {sid for n, sid in self._untagged if retention.best_tags({n: sid}, self.branch)}
+        due = []
+        for sid, names in ranked[:retention.keep_best]:
+            known = self._metric_values.get(sid)
+            if names or sid in pending or known is None:
+                continue
+            due.append((retention.best_tag_for(known[2], sid, self.branch), sid))
+            if sid != info.id:
+                log.info("retention: %s ranks among the %d best by %s but holds no best tag (a run stopped "
+                         "before tagging it); tagging it", sid[:12], retention.keep_best, retention.metric)
+        return due
 
     def _trim_best(self) -> None:
         """Delete the best tags of this branch beyond the ``keep_best`` best, so gc collects
-        those versions (unless another ref keeps them or they are among the newest). A failure
-        is logged: the tag keeps its version a while longer and the next save trims again."""
+        those versions (unless another ref keeps them or they are among the newest). Only tags
+        :meth:`Retention.best_tags` names are deleted; an old-style ``best-<step>`` tag is left
+        in place. A failure is logged: the tag keeps its version a while longer and the next
+        save trims again."""
         retention = self.retention
         assert retention is not None
         if retention.keep_best is None:
             return
         try:
-            for _key, name, sid in self._ranked_best()[retention.keep_best:]:
-                self.repo.delete_tag(name)
-                log.info("retention: deleted tag %s -> %s (no longer among the %d best by %s)",
-                         name, sid[:12], retention.keep_best, retention.metric)
+            for sid, names in self._ranked_best()[retention.keep_best:]:
+                for name in names:
+                    if name not in retention.best_tags({name: sid}, self.branch):
+                        if name not in self._left_alone:
+                            self._left_alone.add(name)
+                            log.info("retention: leaving tag %s -> %s in place (no longer among the %d best "
+                                     "by %s, but named before best tags named their version: delete it by "
+                                     "hand to let gc collect it)", name, sid[:12], retention.keep_best,
+                                     retention.metric)
+                        continue
+                    self.repo.delete_tag(name)
+                    log.info("retention: deleted tag %s -> %s (no longer among the %d best by %s)",
+                             name, sid[:12], retention.keep_best, retention.metric)
         except (InshrinkError, OSError) as exc:
             log.warning("retention: could not trim the best tags (%s); trying again after the next save", exc)
 
-    def _ranked_best(self) -> list[tuple[float, str, str]]:
-        """This branch's best tags as (sort key, tag, snapshot id), best first; a tie keeps the
-        earlier step. A tag on a version without the metric is left out (and left alone): the
-        Retention never made it."""
+    def _ranked_best(self, candidates: list[Any] | None = None) -> list[tuple[str, list[str]]]:
+        """The versions that compete for this branch's best tags, best first, each with the best
+        tags it holds: those the branch's best tags hold (an old-style ``best-<step>`` tag only
+        when its version is of that step), the ones whose tag is still to be created, and
+        ``candidates``. A tie keeps the earlier commit. A version without the metric is left out
+        (and its tags left alone): the Retention never made them."""
         retention = self.retention
         assert retention is not None
+        tags = self.repo.tags()
+        held: dict[str, list[str]] = {}
+        for name, sid in retention.best_tags(tags, self.branch).items():
+            held.setdefault(sid, []).append(name)
+        for name, (sid, step) in retention.legacy_best_tags(tags, self.branch).items():
+            known = self._known(sid)
+            if known is not None and known[2] == step:
+                held.setdefault(sid, []).append(name)
+        pool = set(held) | {sid for n, sid in self._untagged if retention.best_tags({n: sid}, self.branch)}
+        for info in candidates or []:
+            self._known(info.id, info)
+            pool.add(info.id)
         ranked = []
-        for name, sid in retention.best_tags(self.repo.tags(), self.branch).items():
-            if sid not in self._metric_values:
-                info = self.repo.snapshot(sid)
-                value = retention.value(info.metrics)
-                self._metric_values[sid] = None if value is None else (value, info.step)
-            known = self._metric_values[sid]
+        for sid in pool:
+            known = self._known(sid)
             if known is not None:
-                ranked.append((retention.sort_key(known[0]), known[1], name, sid))
-        ranked.sort(key=lambda r: (r[0], r[1] if r[1] is not None else 0, r[2]))
-        return [(key, name, sid) for key, _step, name, sid in ranked]
+                ranked.append((known[0], known[1], sid))
+        ranked.sort()
+        return [(sid, sorted(held.get(sid, []))) for _key, _time, sid in ranked]
+
+    def _known(self, snapshot_id: str, info: Any = None) -> tuple[float, str, int | None] | None:
+        """(sort key, commit time, step) of a version, read once a run; None when it has no
+        metric (never best) or is gone (a dangling tag, which verify reports)."""
+        retention = self.retention
+        assert retention is not None
+        if snapshot_id not in self._metric_values:
+            try:
+                info = info if info is not None else self.repo.snapshot(snapshot_id)
+            except NotFoundError:
+                return None
+            value = retention.value(info.metrics)
+            self._metric_values[snapshot_id] = (None if value is None else
+                                                (retention.sort_key(value), info.time, info.step))
+        return self._metric_values[snapshot_id]
 
     def _tag(self, name: str, snapshot_id: str) -> bool:
         try:
@@ -714,6 +786,12 @@ class Checkpointer:
             except AlreadyExistsError:
                 held = self.repo.tags().get(name)
                 if held == snapshot_id:
+                    return True
+                assert self.retention is not None
+                if self.retention.best_tags({name: snapshot_id}, self.branch):
+                    # named for this version, yet held by another: not the Retention's, left alone
+                    log.warning("retention: tag %s already holds %s, not %s; leaving it (that version is "
+                                "kept only while among the newest)", name, str(held)[:12], snapshot_id[:12])
                     return True
                 # the run was restored to an earlier version and saved this step again
                 log.info("retention: moving tag %s from %s to %s", name, str(held)[:12], snapshot_id[:12])
