@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -43,6 +43,24 @@ from inshrink_store.zarr_store import InshrinkStore
 GC_WAIT = 60.0
 Progress = Callable[[str, int, int], None]
 Transaction = WriteSession  # the name earlier releases used
+
+
+class SaveOptions(TypedDict, total=False):
+    """The keywords of :meth:`Repository.save` that ``save_state`` and ``import_file``
+    (:mod:`inshrink_store.torch`) pass on as they are: ``save_state(repo, state, step=3,
+    message="epoch 1")``. For type checkers and IDEs only; every one is optional."""
+
+    branch: str
+    message: str
+    step: int | None
+    metrics: Mapping[str, float] | None
+    metadata: Mapping[str, Any] | None
+    parent: str | None
+    rebase: bool
+    progress: Progress | None
+    gc_wait: float
+    on_wait: Callable[[str], None] | None
+    exact_resume: int
 
 
 def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
@@ -358,4 +376,4 @@ def _read_settings(storage: Storage) -> dict[str, Any]:
     return settings
 
 
-__all__ = ["GC_WAIT", "Planner", "Repository", "SnapshotInfo", "Transaction", "WriteSession", "init", "open"]
+__all__ = ["GC_WAIT", "Planner", "Repository", "SaveOptions", "SnapshotInfo", "Transaction", "WriteSession", "init", "open"]

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from typing_extensions import Unpack
@@ -72,6 +72,12 @@ from inshrink_store.torch.tensors import (
     torch,
 )
 from inshrink_store.writer import previous_codecs
+
+if TYPE_CHECKING:  # annotations only; at run time torch comes from require() (tensors.py)
+    import torch as _torch
+
+    from inshrink_store.history import SnapshotInfo
+    from inshrink_store.repository import Repository
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +364,8 @@ class Checkpointer:
     several percent of final quality when training resumes from it again and again.
     """
 
-    def __init__(self, repo: Any, model: Any, optimizer: Any = None, eval_fn: Callable[[Any], float] | None = None,
+    def __init__(self, repo: Repository, model: _torch.nn.Module, optimizer: _torch.optim.Optimizer | None = None,
+                 eval_fn: Callable[[Any], float] | None = None,
                  every: int | None = None, *, policy: SearchPolicy | None = None, ema_batches: int = 50,
                  branch: str = "main", background: bool = True, gc_wait: float = 600.0,
                  lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
@@ -406,7 +413,7 @@ class Checkpointer:
         self._parent: str | None = None
         self._previous: QuantConfig | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
-        self._pending: Future[Any] | None = None
+        self._pending: Future[SnapshotInfo] | None = None
         self._lock = threading.Lock()
         self._closed = False
         # retention: tags not yet created (gc waits for them) and the gc thread's state
@@ -472,8 +479,12 @@ class Checkpointer:
                 self._ema[name] = g if prev is None else g.mul_(0.9).add_(prev, alpha=0.1)
 
     def save(self, step: int, metrics: dict[str, float] | None = None, message: str | None = None, *,
-             extra: Mapping[str, Any] | None = None) -> Any:
-        """Checkpoint now. Returns the SnapshotInfo (foreground) or a Future of it (background).
+             extra: Mapping[str, Any] | None = None) -> SnapshotInfo | Future[SnapshotInfo]:
+        """Checkpoint now. Returns the :class:`~inshrink_store.SnapshotInfo` of the version with
+        ``background=False``, and a ``concurrent.futures.Future`` of it with ``background=True``
+        (the default; :meth:`wait` also gives it). Which one is fixed when the Checkpointer is
+        made, so the return type is the union of the two: narrow it with ``isinstance(r,
+        Future)``, or call ``r.result()`` only where you chose ``background=True``.
 
         ``extra``: nested state of this version (epoch, data-loader position, RNG states):
         dicts, lists and tuples of tensors, str, int, float, bool and None. :meth:`restore`
@@ -524,8 +535,9 @@ class Checkpointer:
             raise InvalidInputError(str(exc)) from None
         return extras
 
-    def wait(self) -> Any:
-        """Block until the background save (if any) is committed; re-raise its failure."""
+    def wait(self) -> SnapshotInfo | None:
+        """Block until the background save (if any) is committed and return its
+        :class:`~inshrink_store.SnapshotInfo` (None: no save was pending); re-raise its failure."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -593,7 +605,7 @@ class Checkpointer:
         return str(head)
 
     # -- background ------------------------------------------------------------------------
-    def _save(self, job: _Job) -> Any:
+    def _save(self, job: _Job) -> SnapshotInfo:
         t0 = time.perf_counter()
         arrays, dtypes, skeleton = state_to_arrays(job.state)
         evaluate: _QuantizedEval | None = None
@@ -633,7 +645,7 @@ class Checkpointer:
             self._request_gc()  # older residuals fell out of the newest exact_resume versions
         return info
 
-    def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> Any:
+    def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> SnapshotInfo:
         """``repo.save`` that rides out a gc: waits for it (up to ``gc_wait`` s, logged) and
         retries a commit the gc fenced off, so a gc never costs the run a checkpoint."""
         def waiting(message: str) -> None:
@@ -659,7 +671,7 @@ class Checkpointer:
         return previous_codecs(self.repo.checkout(parent).view)
 
     # -- retention -------------------------------------------------------------------------
-    def _retain(self, info: Any) -> None:
+    def _retain(self, info: SnapshotInfo) -> None:
         """After a commit: tag it if it is kept for good, then ask for a gc. The commit has
         happened, so nothing here raises: what fails is logged and tried after the next save."""
         assert self.retention is not None
@@ -674,7 +686,7 @@ class Checkpointer:
             return
         self._request_gc()
 
-    def _best_due(self, info: Any) -> list[tuple[str, str]]:
+    def _best_due(self, info: SnapshotInfo) -> list[tuple[str, str]]:
         """The best tags to create after ``info``'s commit, as (name, snapshot id): its own if it
         ranks among the ``keep_best`` best, and, at the first save of a run or after a restore,
         those of the branch's recent versions that rank so but hold no best tag (a run that
@@ -736,7 +748,7 @@ class Checkpointer:
         except (InshrinkError, OSError) as exc:
             log.warning("retention: could not trim the best tags (%s); trying again after the next save", exc)
 
-    def _ranked_best(self, candidates: list[Any] | None = None) -> list[tuple[str, list[str]]]:
+    def _ranked_best(self, candidates: list[SnapshotInfo] | None = None) -> list[tuple[str, list[str]]]:
         """The versions that compete for this branch's best tags, best first, each with the best
         tags it holds: those the branch's best tags hold (an old-style ``best-<step>`` tag only
         when its version is of that step), the ones whose tag is still to be created, and
@@ -764,7 +776,7 @@ class Checkpointer:
         ranked.sort()
         return [(sid, sorted(held.get(sid, []))) for _key, _time, sid in ranked]
 
-    def _known(self, snapshot_id: str, info: Any = None) -> tuple[float, str, int | None] | None:
+    def _known(self, snapshot_id: str, info: SnapshotInfo | None = None) -> tuple[float, str, int | None] | None:
         """(sort key, commit time, step) of a version, read once a run; None when it has no
         metric (never best) or is gone (a dangling tag, which verify reports)."""
         retention = self.retention

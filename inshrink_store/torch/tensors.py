@@ -17,7 +17,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -30,6 +30,16 @@ from inshrink_store.errors import (
     require,
 )
 from inshrink_store.structure import STRUCTURE_ATTR, flatten, tagged_leaves, unflatten
+
+if TYPE_CHECKING:  # annotations only; at run time torch comes from require() below
+    import torch as _torch
+    from typing_extensions import Unpack
+
+    from inshrink_store.history import SnapshotInfo
+    from inshrink_store.policy import Allocation, QuantConfig
+    from inshrink_store.policy.moments import MomentPolicy
+    from inshrink_store.repository import Repository, SaveOptions
+    from inshrink_store.session import Planner
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
@@ -189,9 +199,14 @@ def infer_module_kinds(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
     return kinds
 
 
-def save_state(repo: Any, state: Mapping[str, Any], *, quantize: Any = None, moments: Any = None,
-               **commit: Any) -> Any:
-    """Commit a nested training state (e.g. ``{"model": sd, "optimizer": osd}``) as one version.
+def save_state(repo: Repository, state: Mapping[str, Any], *,
+               quantize: QuantConfig | Allocation | Planner | None = None, moments: MomentPolicy | None = None,
+               **commit: Unpack[SaveOptions]) -> SnapshotInfo:
+    """Commit a nested training state (e.g. ``{"model": sd, "optimizer": osd}``) as one version;
+    returns its :class:`~inshrink_store.SnapshotInfo`. ``commit``: the keywords of
+    :meth:`Repository.save <inshrink_store.Repository.save>` that describe the version
+    (``message``, ``step``, ``metrics``, ``metadata``, ``branch``, ...; see
+    :class:`~inshrink_store.repository.SaveOptions`).
 
     An ``Allocation`` picks each model tensor's levels for its target. A ``QuantConfig`` applies ``embedding_bins`` to the tensors :func:`infer_module_kinds`
     names embedding tables (there are no module objects to ask). ``moments`` (a
@@ -230,12 +245,25 @@ class _Both:
         return ChainMap(self.first.plan(tensors, dtypes, previous), self.second.plan(tensors, dtypes, previous))
 
 
-def load_state(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None,
-               exact: bool | None = None) -> Any:
+@overload
+def load_state(repo: Repository, ref: str = "main", *, map_location: str | _torch.device | None = None,
+               prefix: None = None, exact: bool | None = None) -> dict[str, Any]: ...
+
+
+@overload
+def load_state(repo: Repository, ref: str = "main", *, map_location: str | _torch.device | None = None,
+               prefix: str | None, exact: bool | None = None) -> Any: ...
+
+
+def load_state(repo: Repository, ref: str = "main", *, map_location: str | _torch.device | None = None,
+               prefix: str | None = None, exact: bool | None = None) -> Any:
     """The nested state of a version, as torch tensors in the saved structure and dtypes.
 
-    ``prefix`` (e.g. ``"model"`` or ``"optimizer/state"``) gives only that part of the state,
-    reading only the tensors under it. ``map_location`` (like ``torch.load``'s: a device
+    Without ``prefix`` it is the whole state, the dict :func:`save_state` or the Checkpointer
+    saved (typed ``dict[str, Any]``). ``prefix`` (e.g. ``"model"`` or ``"optimizer/state"``)
+    gives only that part of the state, reading only the tensors under it; what is there (a
+    dict, a tensor, a list, a number...) is known only when it is read, so that return is
+    typed ``Any``. ``map_location`` (like ``torch.load``'s: a device
     string or ``torch.device``) moves every tensor there; tied tensors stay one tensor.
 
     ``exact``: None (the default) returns the exact bits where the version still keeps its
@@ -246,10 +274,21 @@ def load_state(repo: Any, ref: str = "main", *, map_location: Any = None, prefix
     return load_state_report(repo, ref, map_location=map_location, prefix=prefix, exact=exact)[0]
 
 
-def load_state_report(repo: Any, ref: str = "main", *, map_location: Any = None, prefix: str | None = None,
-                      exact: bool | None = None) -> tuple[Any, bool]:
+@overload
+def load_state_report(repo: Repository, ref: str = "main", *, map_location: str | _torch.device | None = None,
+                      prefix: None = None, exact: bool | None = None) -> tuple[dict[str, Any], bool]: ...
+
+
+@overload
+def load_state_report(repo: Repository, ref: str = "main", *, map_location: str | _torch.device | None = None,
+                      prefix: str | None, exact: bool | None = None) -> tuple[Any, bool]: ...
+
+
+def load_state_report(repo: Repository, ref: str = "main", *, map_location: str | _torch.device | None = None,
+                      prefix: str | None = None, exact: bool | None = None) -> tuple[Any, bool]:
     """:func:`load_state` and whether what it returned is bit-exact (True: every tensor is
-    the saved one; False: quantized tensors hold their stored values)."""
+    the saved one; False: quantized tensors hold their stored values); typed as
+    :func:`load_state` is (``dict[str, Any]`` without ``prefix``)."""
     if exact not in (None, True, False) or isinstance(exact, int) and not isinstance(exact, bool):
         raise InvalidInputError(f"Expected exact to be None, True or False. Got {exact!r} instead.")
     reader = repo.checkout(ref)
@@ -514,11 +553,12 @@ def _unreadable_torch_file(path: Path, exc: Exception) -> FormatError:
         f"download it again (formats read: {CHECKPOINT_FORMATS}).")
 
 
-def import_file(repo: Any, path: str | os.PathLike[str], *, quantize: Any = None, moments: Any = None,
-                progress: Callable[[str, int, int], None] | None = None, **commit: Any) -> Any:
-    """Import a checkpoint file as the next version (``inshrink import``)."""
-    return save_state(repo, load_checkpoint_file(path), quantize=quantize, moments=moments, progress=progress,
-                      **commit)
+def import_file(repo: Repository, path: str | os.PathLike[str], *,
+                quantize: QuantConfig | Allocation | Planner | None = None, moments: MomentPolicy | None = None,
+                **commit: Unpack[SaveOptions]) -> SnapshotInfo:
+    """Import a checkpoint file as the next version (``inshrink import``); ``commit`` and the
+    return: see :func:`save_state`."""
+    return save_state(repo, load_checkpoint_file(path), quantize=quantize, moments=moments, **commit)
 
 
 def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],
