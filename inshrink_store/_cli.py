@@ -762,6 +762,8 @@ def _value_cells(t: Any, fmt: Callable[[float | None], str]) -> tuple[str, str]:
 
 
 EXPORT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
+#: --format's values -> the format; ``hf`` is a folder, the others a file whose extension agrees
+FORMAT_NAMES = {"safetensors": "safetensors", "pt": "torch", "hf": "hf"}
 
 
 @app.command()
@@ -769,33 +771,49 @@ def export(
     url: str, ref: str,
     output: Annotated[Path, typer.Argument(
         metavar="OUT", help="Output file; its extension picks the format: .safetensors, or .pt/.pth "
-        "(torch.save of the model's state dict; loads with torch.load(weights_only=True)).")],
+        "(torch.save of the model's state dict; loads with torch.load(weights_only=True)). With "
+        "--format hf, a folder (created if missing).")],
     all_tensors: Annotated[bool, _flag("--all", help="The whole saved state: .pt/.pth hold it nested as saved "
                                        "({'model': ..., 'optimizer': ..., ...}: load_state_dict takes each part); "
                                        ".safetensors is flat, one tensor per stored path "
                                        "(optimizer/state/0/exp_avg), the structure as JSON in its metadata.")] = False,
     exact: Annotated[bool, _flag("--exact", help="The exact bits the version was saved from (its restore "
                                  "residual; only the newest versions of a branch keep one).")] = False,
+    format_: Annotated[str | None, typer.Option(
+        "--format", metavar="FORMAT", help="hf: a folder transformers' from_pretrained loads (model.safetensors "
+        "and config.json, as save_pretrained writes them). safetensors or pt: as OUT's extension says. "
+        "[default: from OUT's extension]")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", metavar="PATH", help="With --format hf: the model's config.json, or the folder holding it "
+        "(the original model's). [default: the config the version was saved with (InshrinkCallback records "
+        "it), else --copy-from's config.json]")] = None,
+    copy_from: Annotated[Path | None, typer.Option(
+        "--copy-from", metavar="DIR", help="With --format hf: also copy this folder's other files (tokenizer, "
+        "generation and SentenceTransformer configs), never its weights; e.g. the folder the model was "
+        "loaded from.")] = None,
 ) -> None:
-    """Write a version's model tensors to a .safetensors, .pt or .pth file (bit-exact for
-    lossless versions, and with --exact for the newest versions of a Checkpointer's branch)."""
-    if output.is_dir():
-        raise FormatError(
-            f"Expected a file path to export to. Got the directory {str(output)!r} instead; name a "
-            f"file, e.g. {str(output / 'model.safetensors')!r}."
-        )
-    fmt = EXPORT_FORMATS.get(output.suffix.lower())
-    if fmt is None:
-        raise typer.BadParameter(
-            f"Expected a file name ending in .safetensors, .pt or .pth (it picks the format). Got "
-            f"{output.name!r} instead; e.g. {str(output.with_suffix('.safetensors'))!r}.", param_hint="'OUT'")
-    parent = output.parent
-    if not parent.is_dir():
-        raise FormatError(
-            f"Expected the directory {str(parent)!r} to exist for the export. Got "
-            f"{'a file' if parent.exists() else 'no such directory'} instead; create it first "
-            "or pick another path."
-        )
+    """Write a version's model tensors to a .safetensors, .pt or .pth file, or with --format hf
+    to a folder from_pretrained loads (bit-exact for lossless versions, and with --exact for
+    the newest versions of a Checkpointer's branch)."""
+    if format_ is not None and format_ not in FORMAT_NAMES:
+        raise typer.BadParameter(f"Expected one of {', '.join(FORMAT_NAMES)}. Got {format_!r} instead; e.g. "
+                                 "--format hf for a from_pretrained folder.", param_hint="'--format'")
+    if format_ != "hf" and (config is not None or copy_from is not None):
+        given = "--config" if config is not None else "--copy-from"
+        raise typer.BadParameter(f"Expected {given} with --format hf only. Got it for a file export instead; "
+                                 f"add --format hf (OUT is then a folder), or drop {given}.", param_hint=f"'{given}'")
+    if format_ == "hf":
+        if all_tensors:
+            raise typer.BadParameter(
+                "Expected --format hf without --all. Got both instead: a from_pretrained folder holds the "
+                "model's weights only; export the whole state to a .pt with --all.", param_hint="'--all'")
+        if output.exists() and not output.is_dir():
+            raise FormatError(
+                f"Expected a folder for --format hf (from_pretrained loads a folder). Got the file "
+                f"{str(output)!r} instead; name a folder, e.g. {str(output.with_suffix(''))!r}.")
+        fmt = "hf"
+    else:
+        fmt = _export_file_format(output, format_)
     repo = _open(url)
     reader = repo.checkout(ref)
     residual = repo.residual(reader.id) if exact else None
@@ -804,8 +822,14 @@ def export(
             f"Expected the restore residual of {ref!r} ({reader.id[:12]}) for --exact. Got none instead: only "
             "the newest versions of a branch keep one (Checkpointer exact_resume), and gc collects the rest; "
             "export without --exact for the stored values.")
+    bit_exact = " (bit-exact)" if residual is not None else ""
     with progress_bar("export") as update:
-        if fmt == "safetensors":
+        if fmt == "hf":
+            from inshrink_store.torch import export_pretrained
+
+            done = export_pretrained(reader, output, config=config, copy_from=copy_from, residual=residual,
+                                     progress=update)
+        elif fmt == "safetensors":
             from inshrink_store.torch import export_safetensors
 
             count = export_safetensors(reader, output, include_all=all_tensors, progress=update, residual=residual)
@@ -813,7 +837,42 @@ def export(
             from inshrink_store.torch import export_torch
 
             count = export_torch(reader, output, include_all=all_tensors, progress=update, residual=residual)
-    _say(out, f"wrote {_n(count, 'tensor')} to ", str(output), " (bit-exact)" if residual is not None else "")
+    if fmt != "hf":
+        _say(out, f"wrote {_n(count, 'tensor')} to ", str(output), bit_exact)
+        return
+    where = {"config": "--config", "version": "the version", "copy_from": "--copy-from"}[done.config_from]
+    _say(out, f"wrote {_n(done.tensors, 'tensor')} to ", str(output / "model.safetensors"), bit_exact,
+         f", config.json from {where}",
+         f", {_n(len(done.copied), 'file')} copied from " if done.copied else "",
+         str(copy_from) if done.copied else "")
+
+
+def _export_file_format(output: Path, format_: str | None) -> str:
+    """The file format OUT's extension names (which --format, if given, must agree with), once
+    OUT's folder exists."""
+    if output.is_dir():
+        raise FormatError(
+            f"Expected a file path to export to. Got the directory {str(output)!r} instead; name a "
+            f"file, e.g. {str(output / 'model.safetensors')!r}, or add --format hf for a from_pretrained folder."
+        )
+    fmt = EXPORT_FORMATS.get(output.suffix.lower())
+    if fmt is None:
+        raise typer.BadParameter(
+            f"Expected a file name ending in .safetensors, .pt or .pth (it picks the format). Got "
+            f"{output.name!r} instead; e.g. {str(output.with_suffix('.safetensors'))!r}, or add --format hf "
+            "for a from_pretrained folder.", param_hint="'OUT'")
+    if format_ is not None and FORMAT_NAMES[format_] != fmt:
+        raise typer.BadParameter(
+            f"Expected OUT to end in {'.safetensors' if format_ == 'safetensors' else '.pt or .pth'} for "
+            f"--format {format_}. Got {output.name!r} instead; rename it, or drop --format.", param_hint="'OUT'")
+    parent = output.parent
+    if not parent.is_dir():
+        raise FormatError(
+            f"Expected the directory {str(parent)!r} to exist for the export. Got "
+            f"{'a file' if parent.exists() else 'no such directory'} instead; create it first "
+            "or pick another path."
+        )
+    return fmt
 
 
 def _check_name_mode(kind: str, name: str | None, ref: str | None, delete: bool) -> None:

@@ -11,6 +11,9 @@ model and optimizer:
   (:class:`~inshrink_store.torch.RNGState`), as tensors and JSON scalars;
 - ``extra/trainer_state``: the ``TrainerState`` (global step, epoch, log history, best
   metric, stateful callbacks) as the JSON text HF writes to ``trainer_state.json``;
+- ``extra/hf_config``: the model's ``config.json`` text, as ``save_pretrained`` writes it
+  (:func:`~inshrink_store.torch.config_json`), so that ``inshrink export --format hf`` makes
+  a folder ``from_pretrained`` loads without being told the architecture;
 - the version's step is the global step, its metrics the numbers logged at that step.
 
 Nothing is pickled, and reading a version never unpickles anything.
@@ -63,7 +66,7 @@ from typing import Any
 
 from inshrink_store.errors import InvalidInputError, NotFoundError, require
 from inshrink_store.repository import open as open_repository
-from inshrink_store.torch import Checkpointer, RNGState, load_state, save_safetensors
+from inshrink_store.torch import Checkpointer, RNGState, config_json, load_state, save_safetensors
 
 transformers = require("transformers", "hf")
 require("accelerate", "hf")  # the Trainer's own dependency: refused without it, name our extra
@@ -75,7 +78,7 @@ __all__ = ["TRAINER_STATE", "InshrinkCallback"]
 
 #: where a version keeps the Trainer's state (the JSON text of ``trainer_state.json``)
 TRAINER_STATE = "extra/trainer_state"
-_RESERVED = ("scheduler", "rng", "trainer_state")
+_RESERVED = ("scheduler", "rng", "trainer_state", "hf_config")
 #: the Checkpointer keywords the callback sets itself (from the Trainer's objects)
 _OWN = ("repo", "model", "optimizer")
 _POLICY_KEYWORDS = ("tolerance", "higher_is_better", "space", "optimizer_policy")
@@ -92,8 +95,8 @@ class InshrinkCallback(_TrainerCallback):
     the Trainer's ``save_steps`` with ``save_strategy="steps"``, so the gradient EMA that
     guides a compressed save's search runs only over the batches before each save (with
     another strategy there is no EMA, and pruning goes by magnitude, unless ``every=`` is given).
-    ``extra_state`` adds objects of your own to every version; ``scheduler``, ``rng`` and
-    ``trainer_state`` are the callback's names.
+    ``extra_state`` adds objects of your own to every version; ``scheduler``, ``rng``,
+    ``trainer_state`` and ``hf_config`` are the callback's names.
 
     See the module docstring for how a resume works and what it gives back."""
 
@@ -184,8 +187,10 @@ class InshrinkCallback(_TrainerCallback):
                 "Expected on_train_begin before on_save. Got a save outside trainer.train() instead; "
                 "add the callback to the Trainer (callbacks=[callback]) rather than calling it by hand.")
         trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
-        self.checkpointer.save(state.global_step, metrics=_metrics(state),
-                               extra={"trainer_state": trainer_state})
+        extra = {"trainer_state": trainer_state}
+        if callable(getattr(getattr(self.checkpointer.model, "config", None), "to_json_string", None)):
+            extra["hf_config"] = config_json(self.checkpointer.model)   # for export --format hf
+        self.checkpointer.save(state.global_step, metrics=_metrics(state), extra=extra)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Wait for the last save: ``train()`` returns with every version committed."""
@@ -245,7 +250,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
     if clash:
         raise InvalidInputError(
             f"Expected extra_state names other than {list(_RESERVED)}. Got {clash} instead; the callback "
-            "stores the scheduler, the RNG states and the Trainer's state under those names: rename yours.")
+            "stores the scheduler, the RNG states, the Trainer's state and the model's config under those "
+            "names: rename yours.")
 
 
 def _is_repository(url: Any) -> bool:

@@ -18,6 +18,7 @@ from inshrink_store.torch.checkpointer import (
 )
 from inshrink_store.torch.dcp import InshrinkStorageReader, InshrinkStorageWriter
 from inshrink_store.torch.dcp_checkpointer import DistributedCheckpointer
+from inshrink_store.torch.pretrained import PretrainedExport, config_json, export_pretrained
 from inshrink_store.torch.tensors import (
     TORCH_DTYPES,
     array_to_tensor,
@@ -38,9 +39,10 @@ from inshrink_store.torch.tensors import (
 
 __all__ = [
     "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "DistributedCheckpointer",
-    "InshrinkStorageReader", "InshrinkStorageWriter", "RNGState", "Retention", "SearchPolicy",
-    "array_to_tensor",
-    "arrays_to_state", "export_safetensors", "export_state", "export_tensors", "export_torch", "import_file",
+    "InshrinkStorageReader", "InshrinkStorageWriter", "PretrainedExport", "RNGState", "Retention",
+    "SearchPolicy", "array_to_tensor",
+    "arrays_to_state", "config_json", "export_pretrained", "export_safetensors", "export_state",
+    "export_tensors", "export_torch", "import_file",
     "load_checkpoint_file", "load_state",
     "load_state_report",
     "save_safetensors", "save_state", "state_to_arrays", "tensor_to_array",
