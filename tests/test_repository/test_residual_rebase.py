@@ -11,47 +11,31 @@ mismatch is reported, not found first by an exact restore.
 from __future__ import annotations
 
 import json
-import warnings
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 
 import inshrink_store as ins
 from inshrink_store.layout import residual_path
 from inshrink_store.manifest import canonical_json, content_id
-from inshrink_store.policy import QuantConfig
 from inshrink_store.torch import load_state
+from tests.test_repository._quantized_residuals import QC, quiet_quantizer, seeded  # noqa: F401 - an autouse fixture
 from tests.test_repository.test_residual import _publish
-
-QC = QuantConfig(bins=4, min_numel=16)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_quantizer() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
-
-
-def _tensor(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((16, 16)).astype(np.float32)
 
 
 def _raced(url: str) -> tuple[ins.Repository, dict[str, np.ndarray], ins.SnapshotInfo, ins.SnapshotInfo]:
     """base {a0, b0}; the winner changes a (a1) and commits first; the loser, opened on
     base, changes b (b1) and commits with rebase=True. Both handles write residuals."""
     repo = ins.open(url, create=True)
-    repo.save({"a": _tensor(0), "b": _tensor(1)}, quantize=QC, exact_resume=4)
+    repo.save({"a": seeded(0), "b": seeded(1)}, quantize=QC, exact_resume=4)
     loser = repo.transaction("main")
-    loser.write({"b": _tensor(3)}, quantize=QC, residual=True)
+    loser.write({"b": seeded(3)}, quantize=QC, residual=True)
     other = ins.open(url)  # a handle of its own, like another process
     with other.transaction("main") as winner_tx:
-        winner_tx.write({"a": _tensor(2)}, quantize=QC, residual=True)
+        winner_tx.write({"a": seeded(2)}, quantize=QC, residual=True)
         winner = winner_tx.commit(message="winner", keep_residual=4)
     rebased = loser.commit(message="loser", rebase=True, keep_residual=4)
     assert rebased.parent == winner.id
-    return ins.open(url), {"a": _tensor(2), "b": _tensor(3)}, winner, rebased
+    return ins.open(url), {"a": seeded(2), "b": seeded(3)}, winner, rebased
 
 
 def test_a_rebased_commit_takes_the_heads_residual_for_the_heads_tensors(memory_url: str) -> None:
@@ -67,7 +51,7 @@ def test_a_rebased_commit_takes_the_heads_residual_for_the_heads_tensors(memory_
     assert repo.verify().ok
 
 
-def test_verify_reports_a_residual_that_does_not_match_its_versions_tensor(memory_url: str) -> None:
+def test_verify_reports_a_residual_that_does_not_match_its_versionsseeded(memory_url: str) -> None:
     """A forged version: the head's tree with a residual whose entry for ``a`` is the base
     version's (a valid document whose pieces all decode, but for other stored bits)."""
     repo, _expected, winner, rebased = _raced(memory_url)

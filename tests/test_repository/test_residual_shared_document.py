@@ -9,8 +9,6 @@ every version that keeps it.
 from __future__ import annotations
 
 import json
-import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,21 +16,12 @@ import pytest
 import inshrink_store as ins
 from inshrink_store.layout import residual_path
 from inshrink_store.manifest import canonical_json, content_id
-from inshrink_store.policy import QuantConfig
+from tests.test_repository._quantized_residuals import QC, quiet_quantizer, seeded  # noqa: F401 - an autouse fixture
 from tests.test_repository.test_residual import _publish
-
-QC = QuantConfig(bins=4, min_numel=16)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_quantizer() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
 
 
 def _tensor(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((64, 64)).astype(np.float32)
+    return seeded(seed, side=64)
 
 
 def test_gc_keeps_the_heads_residual_when_an_older_version_shares_it(memory_url: str) -> None:

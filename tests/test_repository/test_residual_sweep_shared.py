@@ -9,28 +9,13 @@ that piece, whichever was written first.
 from __future__ import annotations
 
 import uuid
-import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import inshrink_store as ins
-from inshrink_store.policy import QuantConfig
 from inshrink_store.residual import PIECE_MAGIC
-
-QC = QuantConfig(bins=4, min_numel=16)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_quantizer() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
-
-
-def _quantized(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((16, 16)).astype(np.float32)
+from tests.test_repository._quantized_residuals import QC, quiet_quantizer, seeded  # noqa: F401 - an autouse fixture
 
 
 def _piece_payload() -> tuple[np.ndarray, bytes]:
@@ -38,13 +23,13 @@ def _piece_payload() -> tuple[np.ndarray, bytes]:
     payload (content addressing: saving the same tensor anywhere gives the same piece)."""
     for seed in range(32):
         scratch = ins.open(f"memory://scratch-{uuid.uuid4().hex}", create=True)
-        info = scratch.save({"p": _quantized(seed)}, quantize=QC, exact_resume=1)
+        info = scratch.save({"p": seeded(seed)}, quantize=QC, exact_resume=1)
         residual = scratch.residual(info.id)
         assert residual is not None
         (oid,) = residual.arrays["p"].pieces
         payload = bytes(scratch._objects.get(oid))
         if len(payload) % 4 == 0:
-            return _quantized(seed), payload
+            return seeded(seed), payload
     raise AssertionError("no piece of whole float32 elements in 32 seeds")
 
 
