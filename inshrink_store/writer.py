@@ -381,11 +381,20 @@ def chunk_bytes(data: np.ndarray, chunk_shape: tuple[int, ...], coords: tuple[in
 
 @dataclass(frozen=True)
 class ArrayPlan:
-    """How a planner wants one tensor stored: the values to write and the zarr serializer."""
+    """How a planner wants one tensor stored: the values to write and the zarr serializer.
+
+    ``pruned``: where this version's weight update was dropped (a closed-loop residual's
+    pruned elements keep the parent's value, so ``values == 0`` no longer says it); None when
+    the plan does not know, and a reader then takes ``values == 0`` (a pruned weight).
+    ``object_coder``: for arrays whose chunks the object store codes from a planner's own
+    encoding (closed-loop residuals, :mod:`inshrink_store.closed_loop`): chunk coordinates ->
+    (object kind, coder, body); None for everything else."""
 
     values: np.ndarray
     serializer: Any
     attributes: Mapping[str, Any] = field(default_factory=dict)
+    pruned: np.ndarray | None = None
+    object_coder: Any = None
 
 
 def write_arrays(
