@@ -13,6 +13,9 @@ whole or as a delta. The stored form starts with a fixed header::
                         float elements; in a delta, planes may be XORed with the base's
                         payload (raw float bits of the parent version's chunk); raw
                         floats that code no smaller are stored whole with coder 0
+                        4 = closed loop: raw float32 bits coded by a planner as a
+                        quantized residual (``codecs/closed_loop``), on its own in a
+                        keyframe, added to the base's payload in a delta
     6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
     8   8  logical length
     16 16  base id      raw 16 bytes of the base's id, zeros when whole
@@ -31,6 +34,7 @@ silently wrong numbers or an unbounded allocation.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -41,7 +45,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from inshrink_store.codecs import _nibbles, _payload, _planes, _zstd, bytegroup
+from inshrink_store.codecs import _nibbles, _payload, _planes, _zstd, bytegroup, closed_loop
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import (
@@ -55,6 +59,8 @@ from inshrink_store.layout import object_path  # noqa: F401 - re-exported
 from inshrink_store.manifest import content_id
 from inshrink_store.storage import Storage
 
+log = logging.getLogger(__name__)
+
 MAGIC_V1 = b"ISO\x01"  # checksum over the body only; still read, never written
 MAGIC_V2 = b"ISO\x02"  # checksum over header bytes 0..32 and the body
 MAGIC = MAGIC_V2
@@ -64,8 +70,8 @@ MAX_ZSTD_EXPANSION = _zstd.MAX_EXPANSION  # zstd's largest expansion, rounded up
 HEADER = struct.Struct("<4sBBHQ16sQ")
 HEADER_SIZE = HEADER.size  # 40
 KIND_WHOLE, KIND_DELTA = 0, 1
-CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP = 0, 1, 2, 3
-CODERS = (CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP)
+CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP, CODER_CLOSED_LOOP = 0, 1, 2, 3, 4
+CODERS = (CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP, CODER_CLOSED_LOOP)
 #: float element types coder 3 codes (a payload of raw little-endian elements of one of them)
 ELEMENTS = bytegroup.ELEMENT_DTYPES
 #: a bytegroup body decodes to at most this many bytes per stored byte (its planes' worst
@@ -90,6 +96,11 @@ FLOAT_DELTA_MIN = 16 << 10
 #: set to 1 to decode raw-float objects too before they are stored and compare them with the
 #: payload they were meant to hold (quantized ones always are); on in the test suite and in CI
 VERIFY_WRITES_ENV = "INSHRINK_VERIFY_WRITES"
+#: the most bytes a chunk may decode to per stored byte of its object: a reader refuses to
+#: allocate a large array whose objects are smaller (``reader``), so the writer pads a
+#: closed-loop object up to it (an all-zero quantized chunk is about 42,000; blosc'd zeros
+#: about 4,000; a closed-loop residual with every element pruned could pass it)
+MAX_CHUNK_EXPANSION = 1 << 17
 MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
 
@@ -128,7 +139,7 @@ def parse_header(oid: str, data: bytes, stored_size: int | None = None) -> Objec
     if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in CODERS \
             or (kind == KIND_DELTA and coder == CODER_PACKED_ZSTD):
         raise IntegrityError(
-            f"Expected kind 0 or 1 and coder 0-3 (2 for keyframes only) in object {oid}. Got kind {kind}, coder "
+            f"Expected kind 0 or 1 and coder 0-4 (2 for keyframes only) in object {oid}. Got kind {kind}, coder "
             f"{coder} instead: the object is corrupt. Run `inshrink verify` to find what uses it."
         )
     if (
@@ -150,6 +161,8 @@ def _max_logical(kind: int, coder: int, body_len: int) -> int:
     """The largest logical payload a body of ``body_len`` bytes can decode to."""
     if coder == CODER_BYTEGROUP:  # keyframe or XOR delta: the same bound
         return body_len * MAX_BYTEGROUP_EXPANSION
+    if coder == CODER_CLOSED_LOOP:  # keyframe or residual delta: one float32 per id
+        return closed_loop.max_logical(body_len)
     if coder == CODER_ZSTD:
         body_len *= MAX_ZSTD_EXPANSION
     elif coder == CODER_PACKED_ZSTD:  # unpacking at most doubles the ids
@@ -232,6 +245,15 @@ class _LRU:
 
 
 @dataclass(frozen=True)
+class ClosedLoopCoding:
+    """A planner's coding of one float32 chunk (coder 4): ``body`` (``codecs/closed_loop``),
+    and whether it is a ``residual`` against the parent version's chunk or a keyframe."""
+
+    body: bytes
+    residual: bool
+
+
+@dataclass(frozen=True)
 class PutResult:
     oid: str
     stored_bytes: int  # 0 when the object already existed (dedup)
@@ -261,12 +283,19 @@ class ObjectStore:
         self.__init__(state["storage"], state["interval"], state["cache"])  # type: ignore[misc, arg-type]
 
     # -- writing ---------------------------------------------------------------------
-    def put(self, payload: bytes | memoryview, base: str | None = None, element: str | None = None) -> PutResult:
+    def put(self, payload: bytes | memoryview, base: str | None = None, element: str | None = None,
+            closed: ClosedLoopCoding | None = None) -> PutResult:
         """Store ``payload`` (whole, or as a delta against object ``base`` when clearly smaller).
 
         ``element`` (one of :data:`ELEMENTS`) says the payload is raw little-endian floats of
         that type: it is then coded with ``inshrink.bytegroup`` (coder 3), and against
-        ``base`` (the parent version's chunk) its byte planes may be XORed with the base's."""
+        ``base`` (the parent version's chunk) its byte planes may be XORed with the base's.
+        ``closed`` (float32 payloads only): the planner's closed-loop coding of the payload
+        (coder 4), stored when it decodes to the payload bit for bit, against ``base`` when
+        it is a residual; otherwise the payload is stored as raw floats and a warning logged
+        (the values stored never depend on the coding, only their size)."""
+        if closed is not None and element == "float32":
+            return self._put_closed(payload, base, closed)
         if element is not None:
             # raw floats are read where they lie (often a view of the caller's tensor: 4 MiB
             # chunks, no copy) and not cached: a copy of every chunk of the model, and the
@@ -304,6 +333,48 @@ class ObjectStore:
         self._cache.put(oid, payload)  # kept for the next version's delta
         return PutResult(oid, len(stored), stored[4])
 
+    def _put_closed(self, payload: bytes | memoryview, base: str | None, closed: ClosedLoopCoding) -> PutResult:
+        """Coder 4 (see :meth:`put`): a keyframe, or a residual against ``base`` whose chain
+        stays under the keyframe interval and whose payload has the same size."""
+        view = memoryview(payload).cast("B")
+        oid = content_id(view)
+        if oid == base or self.storage.exists_durably(object_path(oid)):
+            return PutResult(oid, 0, -1)
+        why = ""
+        depth = 0
+        if closed.residual:
+            try:
+                base_header = None if base is None else self.header(base)
+            except (FormatError, NotFoundError, IntegrityError) as exc:
+                base_header, why = None, f"its base is unreadable ({exc})"
+            if base_header is None:
+                why = why or "it has no base (the tensor is new in this version)"
+            elif base_header.depth + 1 >= self.keyframe_interval:
+                why = f"its base {base} ends a chain of {base_header.depth + 1} (the keyframe interval)"
+            elif base_header.logical_length != len(view):
+                why = f"its base {base} holds {base_header.logical_length} bytes, not {len(view)}"
+            else:
+                depth = base_header.depth + 1
+        body = closed.body
+        short = -(-len(view) // MAX_CHUNK_EXPANSION) - HEADER_SIZE - len(body)
+        if short > 0:  # zero padding after the stream, which its reader ignores
+            body += bytes(short)
+        if not why:
+            stored = _frame(KIND_DELTA if closed.residual else KIND_WHOLE, CODER_CLOSED_LOOP, depth, view,
+                            base if closed.residual else None, body)
+            try:
+                self._check_writable(oid, stored, view)
+            except WriteCheckError as exc:
+                why = str(exc)
+            else:
+                self.storage.write(object_path(oid), stored)
+                return PutResult(oid, len(stored), KIND_DELTA if closed.residual else KIND_WHOLE)
+        log.warning("closed-loop chunk %s stored as raw floats: %s", oid, why)
+        stored = self._encode_floats(view, base, "float32")
+        self._check_writable(oid, stored, view)
+        self.storage.write(object_path(oid), stored)
+        return PutResult(oid, len(stored), stored[4])
+
     def _check_writable(self, oid: str, stored: bytes, payload: bytes | memoryview) -> None:
         """Read your writes: the header's declared sizes must pass the bounds the reader checks
         (:func:`parse_header`, always, a few comparisons). A quantized object (zstd or packed
@@ -318,7 +389,8 @@ class ObjectStore:
         except IntegrityError as exc:
             raise WriteCheckError(f"Expected object {oid} to pass its reader's bounds before it is "
                                   f"stored. Got: {exc}") from None
-        quantized = header.coder in (CODER_ZSTD, CODER_PACKED_ZSTD) or (header.is_delta and header.coder == CODER_NONE)
+        quantized = header.coder in (CODER_ZSTD, CODER_PACKED_ZSTD, CODER_CLOSED_LOOP) or (
+            header.is_delta and header.coder == CODER_NONE)
         if not (quantized or verify_writes()):
             return
         base = None if header.base is None else self.get(header.base)
@@ -599,6 +671,10 @@ def _decode_body(
                 body = _nibbles.unpack(body)
         elif header.coder == CODER_BYTEGROUP:
             return _decode_floats(oid, header, body, base)
+        elif header.coder == CODER_CLOSED_LOOP:
+            if header.is_delta and base is None:
+                raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
+            return closed_loop.decode(body, header.logical_length, base)
         if header.is_delta:
             if base is None:
                 raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from inshrink_store import dtypes, whole_read
+from inshrink_store import cas, dtypes, whole_read
 from inshrink_store.dtypes import bf16_to_float32  # noqa: F401 - re-exported
 from inshrink_store.errors import InshrinkError, IntegrityError, NotFoundError
 from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exported
@@ -34,9 +34,9 @@ from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, optimizer
 from inshrink_store.whole_read import WholeArray
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
 
-#: the most bytes one chunk may decode to per stored byte of its object (the writer's worst
-#: case, an all-zero quantized chunk, is about 42,000; blosc'd zeros about 4,000)
-MAX_CHUNK_EXPANSION = 1 << 17
+#: the most bytes one chunk may decode to per stored byte of its object (defined with the
+#: objects, whose writer keeps to it)
+MAX_CHUNK_EXPANSION = cas.MAX_CHUNK_EXPANSION
 _PARALLEL_READS = 8  # tensors read at once by read_many from an object store (waits on requests)
 _PARALLEL_SIZES = 8
 

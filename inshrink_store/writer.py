@@ -43,6 +43,7 @@ from zarr.core.group import GroupMetadata
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from inshrink_store import cas, dtypes
+from inshrink_store.cas import ClosedLoopCoding
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec, carrier
 from inshrink_store.codecs.nuq import NUQZarrCodec
@@ -202,6 +203,8 @@ LOCAL_SPARE_PUTS = 2
 
 #: encodes one chunk, given its elements' C-order bytes, to the bytes zarr's pipeline would store
 ChunkEncoder = Callable[[np.ndarray], bytes | memoryview]
+#: a closed-loop plan's coding of one chunk: (chunk coordinates, chunk shape) -> its coding
+ObjectCoder = Callable[[tuple[int, ...], tuple[int, ...]], "ClosedLoopCoding"]
 
 
 def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any],
@@ -296,9 +299,11 @@ class _ChunkPipeline:
         self._jobs: dict[tuple[str, int], Future[Future[None]]] = {}
 
     def submit(self, path: str, metadata: ArrayV3Metadata, data: np.ndarray, codec: ChunkEncoder,
-               done: Callable[[], None]) -> None:
+               done: Callable[[], None], object_coder: ObjectCoder | None = None) -> None:
         """Queue every chunk of tensor ``path`` (its zarr.json, ``metadata``, already written)
-        with values ``data``; ``done()`` runs once its last chunk is stored."""
+        with values ``data``; ``done()`` runs once its last chunk is stored. ``object_coder``
+        (a closed-loop plan's): chunk coordinates and shape -> the object store's coding of
+        that chunk, computed on the encoder threads."""
         chunk_shape = tuple(metadata.chunks)
         grid = list(itertools.product(*(range(-(-size // c)) for size, c in zip(data.shape, chunk_shape, strict=True))))
         prefix = f"{path}/"
@@ -323,7 +328,7 @@ class _ChunkPipeline:
             # never pile up in the queue when puts are slow (an object store)
             self._queued.acquire()
             try:
-                job = encoders.submit(self._encode, key, data, chunk_shape, coords, codec, stored)
+                job = encoders.submit(self._encode, key, data, chunk_shape, coords, codec, stored, object_coder)
             except BaseException:
                 self._queued.release()
                 raise
@@ -331,22 +336,24 @@ class _ChunkPipeline:
                 self._jobs[(path, i)] = job
 
     def _encode(self, key: str, data: np.ndarray, chunk_shape: tuple[int, ...], coords: tuple[int, ...],
-                codec: ChunkEncoder, stored: Callable[[], None]) -> Future[None]:
+                codec: ChunkEncoder, stored: Callable[[], None], object_coder: ObjectCoder | None) -> Future[None]:
         try:
             payload = codec(chunk_bytes(data, chunk_shape, coords))
+            closed = None if object_coder is None else object_coder(coords, chunk_shape)
             self._slots.acquire()  # wait while the most encoded chunks allowed wait for a put
             assert self._putters is not None
             try:
-                return self._putters.submit(self._put, key, payload, stored)
+                return self._putters.submit(self._put, key, payload, stored, closed)
             except BaseException:
                 self._slots.release()
                 raise
         finally:
             self._queued.release()
 
-    def _put(self, key: str, payload: bytes | memoryview, stored: Callable[[], None]) -> None:
+    def _put(self, key: str, payload: bytes | memoryview, stored: Callable[[], None],
+             closed: ClosedLoopCoding | None = None) -> None:
         try:
-            self._view.put(key, payload)
+            self._view.put(key, payload, closed)
         finally:
             self._slots.release()
         stored()
@@ -394,7 +401,7 @@ class ArrayPlan:
     serializer: Any
     attributes: Mapping[str, Any] = field(default_factory=dict)
     pruned: np.ndarray | None = None
-    object_coder: Any = None
+    object_coder: ObjectCoder | None = None
 
 
 def write_arrays(
@@ -448,10 +455,15 @@ def write_arrays(
         if not adopted:
             metadata = None if chunks is None else array_metadata(data, codecs, chunking, {ATTR: meta})
             direct = None if metadata is None else _direct_codec(store, data, codecs, metadata)
+            coder = None if plan is None else plan.object_coder
+            if coder is not None and direct is not _raw_bytes:
+                raise FormatError(
+                    f"Expected tensor {path!r}'s closed-loop plan to be written as raw float32 chunks into a "
+                    "write session. Got another codec chain or store instead; nothing was written for it.")
             if direct is not None:
                 assert chunks is not None and metadata is not None and isinstance(store.view, PendingChunks)
                 _put_metadata(store.view, path, metadata)
-                chunks.submit(path, metadata, data, direct, lambda: written(path))
+                chunks.submit(path, metadata, data, direct, lambda: written(path), coder)
                 return
             create_array(store, path, data, codecs, chunking, {ATTR: meta})
         written(path)

@@ -30,7 +30,7 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from inshrink_store import manifest
-from inshrink_store.cas import ObjectStore
+from inshrink_store.cas import ClosedLoopCoding, ObjectStore
 from inshrink_store.errors import IntegrityError, NotFoundError, WriteCheckError
 from inshrink_store.index import (  # noqa: F401 - load_root, load_node, tree_path re-exported
     ATTR,
@@ -270,7 +270,9 @@ class PendingChunks:
     def has(self, key: str) -> bool:
         return key in self.entries
 
-    def put(self, key: str, value: bytes | memoryview) -> None:
+    def put(self, key: str, value: bytes | memoryview, closed: ClosedLoopCoding | None = None) -> None:
+        """Store chunk (or zarr.json) ``key``; ``closed``: a planner's closed-loop coding of
+        the chunk (see :meth:`ObjectStore.put`)."""
         if posixpath.basename(key) == METADATA_KEY and _is_text(bytes(value)):
             with self._lock:
                 self.entries[key] = Entry(inline=compact_json(bytes(value)))
@@ -279,7 +281,7 @@ class PendingChunks:
         base = previous.oid if previous is not None else None
         # outside the lock: objects in parallel
         try:
-            result = self.objects.put(value, base=base, element=self._float_element(key))
+            result = self.objects.put(value, base=base, element=self._float_element(key), closed=closed)
         except WriteCheckError as exc:
             tensor, _, chunk = key.partition("/c/")
             raise WriteCheckError(f"Tensor {tensor!r}, chunk {chunk or key!r}: {exc}") from exc

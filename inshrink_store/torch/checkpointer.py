@@ -56,6 +56,7 @@ from inshrink_store.policy import (
     QuantizationRecord,
     SearchPolicy,
 )
+from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.policy.search import SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
@@ -306,8 +307,10 @@ class _QuantizedEval:
     device holds one extra model, not two) are put back, even when ``eval_fn`` raises."""
 
     def __init__(self, eval_fn: Callable[[Any], float], model: Any, dtypes: dict[str, str],
-                 originals: dict[str, Any]) -> None:
+                 originals: dict[str, Any], stored: Callable[[PlanSet], Mapping[str, Any]] | None = None) -> None:
         self.eval_fn, self.model, self.dtypes, self.originals = eval_fn, model, dtypes, originals
+        #: a candidate's plans -> the plans as stored (closed-loop: residuals become reconstructions)
+        self.stored = stored
         #: wall seconds spent in ``eval_fn`` (values loaded in and out included), and its calls
         self.seconds = 0.0
         self.calls = 0
@@ -324,7 +327,7 @@ class _QuantizedEval:
         if plans is None:
             return float(self.eval_fn(self.model))
         quantized = dict(self.originals)
-        for path, plan in plans.items():
+        for path, plan in (plans if self.stored is None else self.stored(plans)).items():
             name = path[len("model/"):]
             quantized[name] = array_to_tensor(plan.values, self.dtypes[path]).reshape(self.originals[name].shape)
         self.model.load_state_dict(quantized)
@@ -362,6 +365,12 @@ class Checkpointer:
     the search runs in the policy's ``resume_space`` (256 levels, no pruning) instead of
     its ``space``: an aggressive version within the tolerance at save time still costs
     several percent of final quality when training resumes from it again and again.
+
+    ``closed_loop`` (default True): a float32 weight whose previous version is closed-loop is
+    stored as the quantized residual against that version's stored values, and the search
+    judges the result (what a restore returns), so the stored model stays within one
+    residual's error of the live one (:mod:`inshrink_store.policy.closed_loop`); False
+    quantizes every version's weights afresh (the open-loop method of the paper).
     """
 
     def __init__(self, repo: Repository, model: _torch.nn.Module, optimizer: _torch.optim.Optimizer | None = None,
@@ -370,7 +379,7 @@ class Checkpointer:
                  branch: str = "main", background: bool = True, gc_wait: float = 600.0,
                  lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, extra_state: Mapping[str, Any] | None = None,
-                 exact_resume: int = 1, **legacy: Unpack[PolicyArgs]) -> None:
+                 exact_resume: int = 1, closed_loop: bool = True, **legacy: Unpack[PolicyArgs]) -> None:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise FormatError(
                 f"Expected every to be an int (steps between saves) or None. Got {every!r} instead; "
@@ -395,6 +404,9 @@ class Checkpointer:
                 f"Expected exact_resume to be an int in 0..{MAX_KEEP_NEWEST} (the newest versions that resume "
                 f"bit-exact; 0 turns it off). Got {exact_resume!r} instead.")
         self.exact_resume = exact_resume
+        if not isinstance(closed_loop, bool):
+            raise InvalidInputError(f"Expected closed_loop to be True or False. Got {closed_loop!r} instead.")
+        self.closed_loop = closed_loop
         #: after :meth:`restore`: True when the state loaded is bit-exact (a restore residual
         #: or a lossless version), False when quantized tensors hold their stored values
         self.restored_exact: bool | None = None
@@ -609,19 +621,31 @@ class Checkpointer:
         t0 = time.perf_counter()
         arrays, dtypes, skeleton = state_to_arrays(job.state)
         evaluate: _QuantizedEval | None = None
+        plans: Any = None
         if self.lossless:
             decision = Decision(None, QuantizationRecord(config=None, tolerance=self.policy.tolerance,
                                                          higher_is_better=self.policy.higher_is_better))
         else:
-            candidates = Candidates(arrays, dtypes, self._previous_codecs(), sensitivity=job.sensitivity,
+            loop = self._closed_loop(arrays) if self.closed_loop else None
+            searched = arrays if loop is None else loop.search_arrays(arrays)
+            sensitivity = job.sensitivity if loop is None else {
+                p: s for p, s in job.sensitivity.items() if p not in loop.bases}  # a residual: by magnitude
+            candidates = Candidates(searched, dtypes, self._previous_codecs(), sensitivity=sensitivity,
                                     module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=job.params,
                                     optimizer_hyper=adam_hyper(job.state.get("optimizer")))
             if self.eval_fn is not None and job.eval_model is not None:
-                evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"])
-            # without a restore residual a restart resumes from what is stored: search the
-            # policy's resume space, whose versions hold the tolerance over many restores
-            policy = self.policy if self.exact_resume else self.policy.resuming()
+                evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
+                                          None if loop is None else (lambda candidate: loop.plans(candidate, arrays)))
+            # without a restore residual a restart resumes from what is stored: an open-loop
+            # version, or a closed-loop keyframe (which the next residuals start from), is
+            # searched in the policy's resume space, whose versions hold the tolerance over many
+            # restores; closed-loop residuals stay near the weights and keep the full space
+            residuals = loop is not None and bool(loop.bases)
+            policy = self.policy if self.exact_resume or residuals else self.policy.resuming()
             decision = policy.decide(candidates, evaluate, previous=self._previous)
+            plans = decision.plans
+            if loop is not None and decision.plans is not None:
+                plans = loop.plans(decision.plans, arrays)
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if decision.moments is not None:
@@ -630,7 +654,7 @@ class Checkpointer:
                 log.warning("checkpoint at step %s: %s", job.step, decision.moments.skipped)
                 self._told_skipped = True
         self._gc_idle.wait()  # our own retention gc first: the commit would only poll for it
-        info = self._commit(arrays, dtypes=dtypes, attributes=_attributes(skeleton, job.params), quantize=decision.plans,
+        info = self._commit(arrays, dtypes=dtypes, attributes=_attributes(skeleton, job.params), quantize=plans,
                             branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
                             message=job.message or f"step {job.step}",
                             metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)
@@ -660,6 +684,15 @@ class Checkpointer:
                 log.warning("checkpoint at step %s: a gc fenced off this commit; retrying (%d/3)",
                             kwargs.get("step"), attempt + 1)
         raise AssertionError("unreachable")
+
+    def _closed_loop(self, arrays: Mapping[str, Any]) -> ClosedLoop:
+        """This save's closed-loop coding: the float32 model tensors whose parent version
+        holds a closed-loop array (read from the store, so a restore or another writer's
+        parent is followed exactly)."""
+        parent = self._parent or self.repo.branches().get(self.branch)
+        paths = sorted(p for p, a in arrays.items() if p.startswith("model/") and getattr(a, "dtype", None) == np.float32)
+        reader = None if parent is None else self.repo.checkout(parent)
+        return ClosedLoop(parent_bases(reader, paths, arrays), arrays, self.repo.keyframe_interval)
 
     def _previous_codecs(self) -> dict[str, dict[str, Any]]:
         parent = self._parent
