@@ -15,10 +15,22 @@ Per parameter (a state entry holding ``exp_avg`` and ``exp_avg_sq`` of one shape
   codebook of ``exp_avg_bins`` centres with 0.0 pinned (the weights' codebook fitter).
 - ``exp_avg_sq`` (v): positive with a range of tens of octaves, so it is clustered in the
   log2 domain and every positive entry stays positive (never ``v = 0`` under a kept ``m``,
-  whose update would explode). v is not pruned: a pruned v restored as 0 gives that entry a
-  ~3x larger step for hundreds of steps after a restore (Adam's warm-up without bias
-  correction), while costing only a few bits to keep.
+  whose update would explode). By default v is not pruned: a pruned v restored as 0 gives
+  that entry a ~3x larger step for hundreds of steps after a restore (Adam's warm-up
+  without bias correction), while costing only a few bits to keep.
+- ExCP's joint pruning of v (``MomentPolicy.joint_v_beta``, :meth:`MomentPolicy.excp`):
+  v is set to 0 too, with its m, where this version dropped the weight's update *and* v is
+  below ``joint_v_beta * mean(v)``. Those entries are quiet (small gradients) on weights
+  that did not move in this version, so the warm-up above costs least there, and the
+  invariant holds: v is pruned only where m is, so both are 0 and the stored update is 0,
+  a drop the guard measures like any other. The survivors are quantized as above. This
+  prunes less than ExCP itself (which keeps a moment only where the weight's update was
+  kept *and* v is large): an entry whose weight still moves keeps its v.
 - step counters, ``param_groups`` and any other state stay exact (lossless).
+
+"Where the weight's update was dropped" is the weight plan's ``pruned`` mask when it has
+one (closed-loop residual plans, whose values are reconstructions, never 0), else where
+the stored weight is 0.
 
 Deterministic: thresholds by partition, codebooks seeded from the data, so the same
 state gives the same bytes (the store dedups and delta-codes by content).
@@ -48,11 +60,15 @@ from inshrink_store.writer import ArrayPlan, write_threads
 M_KEY, V_KEY = "exp_avg", "exp_avg_sq"
 #: log2(v) is histogrammed at 1/LOG_RESOLUTION octave before clustering (a few thousand points)
 LOG_RESOLUTION = 64
-RECORD_VERSION = 1
+#: the newest ``metadata["moments"]`` record read; one written is version 1 unless it needs 2
+#: (ExCP's joint v pruning: the policy's ``joint_v_beta``/``residual_alpha``, the pairs'
+#: ``exp_avg_sq_pruned_fraction``), so older readers still read every record they can
+RECORD_VERSION = 2
 MAX_BINS = 255  # one uint8 level id per element (+ the protected id)
 #: the escalation when a tensor's update drifts, per attempt: (prune factor, bins factor, whether
-#: entries whose weight was pruned lose their m too). A weight pruned for a small |w| or |g*w|
-#: may still have a large update, so joint pruning is the first thing given up.
+#: entries whose weight was pruned lose their m too, and with ``joint_v_beta`` their small v).
+#: A weight pruned for a small |w| or |g*w| may still have a large update, so joint pruning is
+#: the first thing given up.
 LADDER = ((1.0, 1, True), (1.0, 1, False), (0.5, 2, False), (0.0, 4, False))
 
 
@@ -79,6 +95,12 @@ class AdamHyper:
         return 1.0 - self.beta1 ** self.step, 1.0 - self.beta2 ** self.step
 
 
+#: ExCP's published constants: the weight-residual prune scale and the moments' v threshold
+EXCP_ALPHA, EXCP_BETA = 5e-5, 2.0
+#: MomentPolicy's optional ExCP fields (None: off, and then absent from its dict)
+EXCP_FIELDS = ("joint_v_beta", "residual_alpha")
+
+
 @dataclass(frozen=True)
 class MomentPolicy:
     """How the Checkpointer stores Adam-shaped optimizer state (the default: compressed).
@@ -91,6 +113,17 @@ class MomentPolicy:
     the pruning and twice the levels, then none and four times, then kept lossless (the
     first retry only gives up pruning m where the weight was pruned: see :data:`LADDER`).
     Moments smaller than ``min_numel`` elements stay lossless (their bytes do not matter).
+
+    ``joint_v_beta`` (None: off, the default): ExCP's joint pruning of v. Where this version
+    dropped the weight's update and ``0 < v < joint_v_beta * mean(v)`` (the mean over v's
+    finite entries), v is set to 0 together with m (both 0: the stored update there is 0,
+    never the explosion of a 0 v under a kept m), and the guard judges the result as usual.
+    Only the first attempt does it (with the rest of the joint pruning). ``residual_alpha``
+    (None, or ExCP's 5e-5): the scale of ExCP's weight-residual pruning (a residual dropped
+    where ``|r| <= alpha / sqrt(v) * median(|W|)``), recorded here so the setting is one
+    named thing; the weight side decides by it, the moments never read it. Both are left
+    out of :meth:`to_dict` while None, so a default policy's dict is the one older versions
+    wrote and read. :meth:`excp` is the published setting.
     """
 
     exp_avg_bins: int = 16
@@ -99,6 +132,8 @@ class MomentPolicy:
     min_update_cosine: float = 0.95
     max_update_error: float = 0.3
     min_numel: int = 4096
+    joint_v_beta: float | None = None
+    residual_alpha: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -112,14 +147,29 @@ class MomentPolicy:
             (_is_number(self.max_update_error) and self.max_update_error >= 0,
              "max_update_error a finite number >= 0", self.max_update_error),
             (_is_int(self.min_numel) and self.min_numel >= 1, "min_numel an int >= 1", self.min_numel),
+            (self.joint_v_beta is None or (_is_number(self.joint_v_beta) and self.joint_v_beta > 0),
+             "joint_v_beta None (no v pruning) or a finite number > 0 (ExCP: 2.0)", self.joint_v_beta),
+            (self.residual_alpha is None or (_is_number(self.residual_alpha) and self.residual_alpha > 0),
+             "residual_alpha None or a finite number > 0 (ExCP: 5e-5)", self.residual_alpha),
         ]
         for ok, what, got in checks:
             if not ok:
                 raise FormatError(f"Expected {what} in MomentPolicy. Got {got!r} instead.")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-native; ``from_dict`` of it gives an equal policy."""
-        return asdict(self)
+        """JSON-native; ``from_dict`` of it gives an equal policy. The ExCP fields appear only
+        when set, so a policy without them writes the dict older versions read."""
+        return {k: v for k, v in asdict(self).items() if not (k in EXCP_FIELDS and v is None)}
+
+    @classmethod
+    def excp(cls) -> MomentPolicy:
+        """ExCP's published moment setting (Li et al., ICML 2024), under our guard: v pruned
+        with m where the weight's update was dropped and ``v < 2.0 * mean(v)``
+        (``joint_v_beta``), ``residual_alpha`` 5e-5 recorded for the weight side, 4-bit codes
+        (16 levels of m with 0 among them; 15 of v, plus the 0 of pruned entries), and no
+        pruning of m by update size (``prune`` 0: ExCP prunes moments only by the joint mask)."""
+        return cls(exp_avg_bins=16, exp_avg_sq_bins=15, prune=0.0, joint_v_beta=EXCP_BETA,
+                   residual_alpha=EXCP_ALPHA)
 
     @classmethod
     def from_dict(cls, data: Any) -> MomentPolicy:
@@ -390,7 +440,10 @@ def _positive_codebook(previous: Any, levels: int) -> np.ndarray | None:
 @dataclass(frozen=True)
 class MomentTensorRecord:
     """One moment pair's outcome: ``storage`` ("quantized" or "lossless"), the guard's
-    figures for the stored update, the levels and pruning used, and the attempts made."""
+    figures for the stored update, the levels and pruning used, and the attempts made.
+    ``pruned_fraction``: of m's entries, the non-zero ones stored as 0;
+    ``exp_avg_sq_pruned_fraction`` (only under ``joint_v_beta``): of v's entries, the
+    positive ones stored as 0 by the joint pruning (each with its m)."""
 
     storage: str
     update_cosine: float | None = None
@@ -400,6 +453,7 @@ class MomentTensorRecord:
     pruned_fraction: float | None = None
     attempts: int = 0
     reason: str | None = None
+    exp_avg_sq_pruned_fraction: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -415,8 +469,12 @@ class MomentRecord:
     skipped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": RECORD_VERSION, "policy": None if self.policy is None else self.policy.to_dict(),
-                "tensors": {p: r.to_dict() for p, r in sorted(self.tensors.items())}, "skipped": self.skipped}
+        """Version 1 unless the ExCP fields are used (then 2: an older reader says "upgrade")."""
+        policy = None if self.policy is None else self.policy.to_dict()
+        tensors = {p: r.to_dict() for p, r in sorted(self.tensors.items())}
+        excp = any(k in EXCP_FIELDS for k in policy or {}) or any(
+            "exp_avg_sq_pruned_fraction" in t for t in tensors.values())
+        return {"version": 2 if excp else 1, "policy": policy, "tensors": tensors, "skipped": self.skipped}
 
     @classmethod
     def from_dict(cls, data: Any) -> MomentRecord:
@@ -455,6 +513,7 @@ _RECORD_FIELDS: dict[str, Any] = {
     isinstance(v, bool) and v >= 0, "exp_avg_levels": _is_int, "exp_avg_sq_levels": _is_int,
     "pruned_fraction": lambda v: _is_number(v) and 0 <= v <= 1, "attempts": lambda v: _is_int(v) and v >= 0,
     "reason": lambda v: isinstance(v, str),
+    "exp_avg_sq_pruned_fraction": lambda v: _is_number(v) and 0 <= v <= 1,
 }
 
 
@@ -535,7 +594,7 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
                    "pruned_fraction": record.pruned_fraction, "protected_fraction": 0.0}
         return {m_path: _plan(m_q, m_cb, dtype, figures),
                 v_path: _plan(v_q, v_cb, dtype, {**figures, "moment": V_KEY, "levels": int(v_cb.size),
-                                                 "pruned_fraction": 0.0})}, record
+                                                 "pruned_fraction": record.exp_avg_sq_pruned_fraction or 0.0})}, record
 
     # pairs side by side on the writer's threads (numpy releases the GIL); each is planned on
     # its own, and results are gathered in the pairs' order: the same plans whatever the threads
@@ -549,19 +608,47 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
 
 
 def _weight_pruned(weights: Mapping[str, Any], path: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
-    """Where this version stores the moments' weight as 0 (pruned), or None if unknown."""
+    """Where this version dropped the update of the moments' weight, or None if unknown: the
+    plan's ``pruned`` mask when it has one of this shape (closed-loop residual plans, whose
+    values are reconstructions, never 0), else where the stored weight is 0."""
     if path is None or path not in weights:
         return None
-    values = np.asarray(weights[path].values)
+    plan = weights[path]
+    pruned = getattr(plan, "pruned", None)
+    if pruned is not None and np.shape(pruned) == shape:
+        return np.asarray(pruned, dtype=bool)
+    values = np.asarray(plan.values)
     if values.shape != shape:
         return None
-    return values == 0
+    return np.asarray(values == 0, dtype=bool)
+
+
+def below_mean(v: np.ndarray, beta: float) -> np.ndarray:
+    """``0 < v < beta * mean(v)``, the mean taken in float64 over v's finite entries and the
+    comparison exact (float32 v against the float32 next above a threshold it cannot hold)."""
+    finite = np.isfinite(v)
+    if not finite.any():
+        return np.zeros(v.shape, bool)
+    mean = float(np.mean(v if finite.all() else v[finite], dtype=np.float64))
+    threshold = beta * mean
+    if not math.isfinite(threshold) or threshold <= 0:
+        return np.zeros(v.shape, bool)
+    t32 = np.float32(threshold)
+    if float(t32) < threshold:  # rounded down: v < threshold is v < the next float32 up
+        t32 = np.nextafter(t32, np.float32(np.inf))
+    return (v > 0) & (v < t32)
+
+
+def joint_v_mask(m: np.ndarray, v: np.ndarray, weight_pruned: np.ndarray, beta: float) -> np.ndarray:
+    """Where ExCP's joint pruning sets v (and m with it) to 0: the weight's update dropped,
+    m finite (so it can be stored as 0) and ``0 < v < beta * mean(v)``."""
+    return np.asarray(weight_pruned & np.isfinite(m) & below_mean(v, beta), dtype=bool)
 
 
 def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarray, h: AdamHyper,
              weight_pruned: np.ndarray | None, dtype: str, previous_v: Any) -> Any:
     """The first attempt whose stored update passes the guard, or None."""
-    v_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    v_cache: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
     _, c2 = h.bias_corrections()
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         m_importance = 1.0 / (np.sqrt(np.maximum(v, 0) / c2) + h.eps) ** 2
@@ -569,6 +656,11 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
     m_prepared = _PreparedM.of(m, m_importance)  # every attempt buckets the same m
     attempts = policy.attempts()
     joint_matters = weight_pruned is not None and bool(weight_pruned.any())
+    v_pruned = None  # ExCP's joint v pruning, done by the attempts that prune jointly
+    if policy.joint_v_beta is not None and weight_pruned is not None and joint_matters:
+        v_pruned = joint_v_mask(m, v, weight_pruned, policy.joint_v_beta)
+        if not v_pruned.any():
+            v_pruned = None
     tried: set[tuple[float, int, int, bool]] = set()
     for n, (prune, m_levels, v_levels, joint) in enumerate(attempts, start=1):
         setting = (prune, m_levels, v_levels, joint and joint_matters)
@@ -578,18 +670,27 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
         drop = smallest_mask(exact, prune) if prune > 0 else np.zeros(m.shape, bool)
         if joint and weight_pruned is not None:
             drop |= weight_pruned
+        v_drop = v_pruned if joint else None
+        if v_drop is not None:
+            drop |= v_drop  # already within the weight's mask; stated so v is never 0 under a kept m
         m_q, m_cb = quantize_exp_avg(m, drop, m_levels, dtype, m_importance, m_prepared)
-        if v_levels not in v_cache:
-            v_cache[v_levels] = quantize_exp_avg_sq(v, v_levels, dtype, v_importance, previous_v)
-        v_q, v_cb = v_cache[v_levels]
+        key = (v_levels, v_drop is not None)
+        if key not in v_cache:
+            v_in = v if v_drop is None else np.where(v_drop, np.float32(0.0), v)
+            v_cache[key] = quantize_exp_avg_sq(v_in, v_levels, dtype, v_importance, previous_v)
+        v_q, v_cb = v_cache[key]
         if v_cb.size == 0:
             return None
         cosine, error = compare(exact, update(m_q, v_q, h))
         if cosine >= policy.min_update_cosine and error <= policy.max_update_error:
+            v_share = None  # recorded only under joint_v_beta, so other records stay version 1
+            if policy.joint_v_beta is not None:
+                v_share = 0.0 if v_drop is None else round(float(v_drop.mean()), 6)
             record = MomentTensorRecord(
                 "quantized", update_cosine=round(cosine, 6), update_rel_error=round(error, 6),
                 exp_avg_levels=int(m_cb.size), exp_avg_sq_levels=int(v_cb.size),
-                pruned_fraction=round(float((drop & (m != 0)).mean()), 6) if drop.size else 0.0, attempts=n)
+                pruned_fraction=round(float((drop & (m != 0)).mean()), 6) if drop.size else 0.0, attempts=n,
+                exp_avg_sq_pruned_fraction=v_share)
             return (m_q, m_cb), (v_q, v_cb), record
     return None
 

@@ -7,13 +7,14 @@ patterns), so the properties below are about the data a Checkpointer really hand
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
@@ -332,6 +333,155 @@ def test_moments_of_pruned_weights_are_kept_when_pruning_them_drifts(dtype: str)
     assert (floats(joint[M_PATH].values, dtype)[:, 1::2] == 0).all()
 
 
+# -- ExCP's joint pruning of v ------------------------------------------------------------------
+
+#: the ExCP setting with a guard loose enough that its first (joint) attempt often passes
+LOOSE_EXCP = dataclasses.replace(MomentPolicy.excp(), min_update_cosine=0.3, max_update_error=1.5, min_numel=256)
+W_PATH = "model/w"
+
+
+def weight_plan(mask: np.ndarray, closed_loop: bool, seed: int = 0) -> ArrayPlan:
+    """A weight plan that dropped the update at ``mask``: stored as 0 there (``pruned`` unset),
+    or a closed-loop residual's (values never 0, the drop in ``pruned``)."""
+    values = np.random.default_rng(seed).uniform(0.5, 1.5, mask.shape).astype(np.float32)
+    if closed_loop:
+        return ArrayPlan(values, None, pruned=mask.copy())
+    values[mask] = 0.0
+    return ArrayPlan(values, None)
+
+
+def joint_plans(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, step: int, dtype: str,
+                plan: ArrayPlan) -> MomentPlans:
+    arrays, dtypes = state(m, v, step, dtype)
+    return policy.plan(arrays, dtypes, {}, weights={W_PATH: plan}, params={PREFIX: W_PATH})
+
+
+def finite_mean(v: np.ndarray) -> float:
+    return float(v[np.isfinite(v)].astype(np.float64).mean())
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=moments_cases, pruned=st.sampled_from([0.05, 0.3, 0.8, 1.0]), closed_loop=st.booleans(),
+       beta=st.sampled_from([0.5, 2.0, 1e3]), seed=st.integers(0, 2**16))
+def test_v_is_pruned_only_with_its_m_where_the_weight_was_and_v_is_below_beta_mean(
+        case: Any, pruned: float, closed_loop: bool, beta: float, seed: int) -> None:
+    (m, v, step), dtype = case
+    mask = np.random.default_rng(seed).random(m.shape) < pruned
+    policy = dataclasses.replace(LOOSE_EXCP, joint_v_beta=beta)
+    plans = joint_plans(policy, m, v, step, dtype, weight_plan(mask, closed_loop, seed))
+    record = plans.record.tensors[PREFIX]
+    if record.storage == "lossless":
+        assert V_PATH not in plans and record.exp_avg_sq_pruned_fraction is None
+        return
+    m_in, v_in = floats(m, dtype), floats(v, dtype)
+    m_q, v_q = floats(plans[M_PATH].values, dtype), floats(plans[V_PATH].values, dtype)
+    v_pruned = (v_in > 0) & (v_q == 0)
+    threshold = beta * finite_mean(v_in)
+    assert not ((v_q == 0) & (m_q != 0)).any(), "stored v == 0 under a kept m"
+    assert (m_q[v_pruned] == 0).all() and mask[v_pruned].all()
+    assert (v_in[v_pruned].astype(np.float64) < threshold * (1 + 1e-9)).all()
+    assert record.exp_avg_sq_pruned_fraction == pytest.approx(float(v_pruned.mean()), abs=1e-6)
+    assert plans[V_PATH].attributes["pruned_fraction"] == record.exp_avg_sq_pruned_fraction
+    if record.attempts > 1:  # the ladder gave up joint pruning: every positive v stays positive
+        assert not v_pruned.any()
+        return
+    # the first attempt prunes exactly ExCP's mask (entries within rounding of the threshold either way)
+    want = mask & np.isfinite(m_in) & (v_in > 0) & (v_in.astype(np.float64) < threshold)
+    edge = np.abs(v_in.astype(np.float64) - threshold) <= 1e-9 * threshold
+    np.testing.assert_array_equal(v_pruned[~edge], want[~edge])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_joint_v_pruning_happens_and_survivors_are_quantized_as_before(dtype: str) -> None:
+    m, v, step = adam_moments(7, (64, 64), dtype, steps=20)
+    mask = np.zeros((64, 64), bool)
+    mask[:, ::4] = True
+    plans = joint_plans(LOOSE_EXCP, m, v, step, dtype, weight_plan(mask, closed_loop=False))
+    record = plans.record.tensors[PREFIX]
+    assert record.storage == "quantized" and record.attempts == 1
+    assert record.exp_avg_sq_pruned_fraction is not None and record.exp_avg_sq_pruned_fraction > 0.05
+    v_in, v_q = floats(v, dtype), floats(plans[V_PATH].values, dtype)
+    kept = (v_in > 0) & (v_q > 0)
+    assert kept.any() and np.unique(v_q[kept]).size <= LOOSE_EXCP.exp_avg_sq_bins
+    assert plans.record.to_dict()["version"] == 2
+    off = joint_plans(dataclasses.replace(LOOSE_EXCP, joint_v_beta=None), m, v, step, dtype,
+                      weight_plan(mask, closed_loop=False))
+    assert off.record.tensors[PREFIX].exp_avg_sq_pruned_fraction is None
+    assert (floats(off[V_PATH].values, dtype)[v_in > 0] > 0).all(), "no joint_v_beta: v is never pruned"
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=moments_cases, seed=st.integers(0, 2**16))
+def test_a_pruned_mask_is_preferred_to_zero_values_and_means_the_same(case: Any, seed: int) -> None:
+    """Closed-loop residual plans say where the update was dropped in ``pruned``; a plan
+    that stores the weight as 0 there gives the same moments, bit for bit; a ``pruned`` of
+    another shape is ignored (``values == 0`` then)."""
+    (m, v, step), dtype = case
+    mask = np.random.default_rng(seed).random(m.shape) < 0.5
+    zeros = joint_plans(LOOSE_EXCP, m, v, step, dtype, weight_plan(mask, closed_loop=False, seed=seed))
+    closed = joint_plans(LOOSE_EXCP, m, v, step, dtype, weight_plan(mask, closed_loop=True, seed=seed))
+    stored_zero = weight_plan(mask, closed_loop=False, seed=seed).values
+    odd = joint_plans(LOOSE_EXCP, m, v, step, dtype, ArrayPlan(stored_zero, None, pruned=mask.reshape(-1)[:-1]))
+    nothing = joint_plans(LOOSE_EXCP, m, v, step, dtype, weight_plan(np.zeros(m.shape, bool), closed_loop=True))
+    for other in (closed, odd):
+        assert other.record == zeros.record and set(other) == set(zeros)
+        for path in zeros:
+            np.testing.assert_array_equal(bits(other[path].values), bits(zeros[path].values))
+    if mask.any() and zeros.record.tensors[PREFIX].attempts == 1:
+        assert nothing.record != zeros.record, "a closed-loop plan's pruned mask was not used"
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=moments_cases, closed_loop=st.booleans(), seed=st.integers(0, 2**16))
+def test_joint_v_pruning_is_deterministic_and_leaves_the_input_alone(case: Any, closed_loop: bool,
+                                                                    seed: int) -> None:
+    (m, v, step), dtype = case
+    mask = np.random.default_rng(seed).random(m.shape) < 0.4
+    plan = weight_plan(mask, closed_loop, seed)
+    before = (m.copy(), v.copy(), plan.values.copy(), mask.copy())
+    first, second = (joint_plans(LOOSE_EXCP, m, v, step, dtype, plan) for _ in range(2))
+    assert set(first) == set(second) and first.record == second.record
+    for path in first:
+        np.testing.assert_array_equal(bits(first[path].values), bits(second[path].values))
+        assert first[path].serializer.to_dict() == second[path].serializer.to_dict()
+        assert first[path].attributes == second[path].attributes
+    for was, now in zip(before, (m, v, plan.values, mask), strict=True):
+        np.testing.assert_array_equal(was, now)
+    assert plan.pruned is None or np.array_equal(plan.pruned, mask)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=moments_cases)
+def test_the_guard_still_rejects_joint_v_pruning_that_drifts_per_tensor(case: Any) -> None:
+    """Every weight's update dropped and a beta so large that every v is below it: the joint
+    attempt zeroes the whole update (cosine 0), so the guard moves that pair down the
+    ladder, which gives up the joint pruning and with it every pruned v; a pair beside it
+    without a weight is decided on its own."""
+    (m, v, step), dtype = case
+    exact = update(floats(m, dtype), floats(v, dtype), AdamHyper(step=float(step)))
+    assume(bool((np.isfinite(exact) & (exact != 0)).any()))
+    other = "optimizer/state/1"
+    arrays, dtypes = state(m, v, step, dtype, **{f"{other}/exp_avg": (m, dtype), f"{other}/exp_avg_sq": (v, dtype),
+                                                 f"{other}/step": (np.array(step, np.float32), "F32")})
+    policy = dataclasses.replace(MomentPolicy.excp(), joint_v_beta=1e30, min_numel=256)
+    everywhere = weight_plan(np.ones(m.shape, bool), closed_loop=True)
+    plans = policy.plan(arrays, dtypes, {}, weights={W_PATH: everywhere}, params={PREFIX: W_PATH})
+    record, beside = plans.record.tensors[PREFIX], plans.record.tensors[other]
+    assert record.attempts > 1
+    if record.storage == "quantized":
+        assert record.exp_avg_sq_pruned_fraction == 0.0 and record.update_cosine is not None
+        assert record.update_cosine >= policy.min_update_cosine
+        v_in = floats(v, dtype)
+        assert (floats(plans[V_PATH].values, dtype)[v_in > 0] > 0).all()
+    # the pair without a weight has no joint attempt to make: its first is the other's second
+    assert beside.storage == record.storage
+    assert beside.attempts == (1 if record.attempts == 2 else record.attempts)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (f"{PREFIX}/{key}" in plans) == (f"{other}/{key}" in plans)
+        if f"{PREFIX}/{key}" in plans:
+            np.testing.assert_array_equal(bits(plans[f"{PREFIX}/{key}"].values), bits(plans[f"{other}/{key}"].values))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_parents_v_codebook_is_reused_while_it_still_fits(dtype: str) -> None:
     m, v, step = adam_moments(6, (64, 64), dtype, steps=20)
@@ -385,10 +535,16 @@ def test_a_moment_plans_object_is_its_own_planner() -> None:
 
 # -- configuration and record -----------------------------------------------------------------
 
-valid_policies = st.builds(
+#: the fields every MomentPolicy dict has had since version 1 of the moments record
+OLD_FIELDS = {"exp_avg_bins", "exp_avg_sq_bins", "prune", "min_update_cosine", "max_update_error", "min_numel"}
+old_policies = st.builds(
     MomentPolicy, exp_avg_bins=st.integers(3, 63), exp_avg_sq_bins=st.integers(2, 63),
     prune=st.one_of(st.floats(0.0, 0.95), st.just(0)), min_update_cosine=st.floats(-1.0, 1.0),
     max_update_error=st.floats(0.0, 1e6), min_numel=st.integers(1, 10**9))
+positive = st.one_of(st.floats(1e-12, 1e6), st.integers(1, 100))
+valid_policies = st.builds(
+    lambda old, beta, alpha: MomentPolicy(**{**old.to_dict(), "joint_v_beta": beta, "residual_alpha": alpha}),
+    old_policies, st.one_of(st.none(), positive), st.one_of(st.none(), positive))
 
 
 @settings(max_examples=100, deadline=None)
@@ -396,9 +552,37 @@ valid_policies = st.builds(
 def test_policy_dict_round_trips_through_json(policy: MomentPolicy) -> None:
     data = json.loads(json.dumps(policy.to_dict()))
     assert MomentPolicy.from_dict(data) == policy
-    assert set(data) == set(MomentPolicy.__dataclass_fields__)
+    unset = {k for k in ("joint_v_beta", "residual_alpha") if getattr(policy, k) is None}
+    assert set(data) == set(MomentPolicy.__dataclass_fields__) - unset
     for prune, m_levels, v_levels, _ in policy.attempts():
         assert 0 <= prune <= policy.prune and m_levels <= 255 and v_levels <= 255
+
+
+@settings(max_examples=60, deadline=None)
+@given(policy=old_policies)
+def test_an_old_policy_dict_reads_as_it_did_and_is_written_back_unchanged(policy: MomentPolicy) -> None:
+    """A dict with only the version-1 fields (what every earlier version wrote) reads as a
+    policy without the ExCP fields, and such a policy writes exactly that dict again, so an
+    older inshrink-store still reads what this one writes by default."""
+    old = {k: v for k, v in policy.to_dict().items() if k in OLD_FIELDS}
+    read = MomentPolicy.from_dict(json.loads(json.dumps(old)))
+    assert read.joint_v_beta is None and read.residual_alpha is None
+    assert read.to_dict() == old and set(read.to_dict()) == OLD_FIELDS
+
+
+def test_the_default_policy_dict_is_the_one_version_1_wrote() -> None:
+    assert MomentPolicy().to_dict() == {"exp_avg_bins": 16, "exp_avg_sq_bins": 16, "prune": 0.3,
+                                        "min_update_cosine": 0.95, "max_update_error": 0.3, "min_numel": 4096}
+
+
+def test_the_excp_setting_is_the_published_one() -> None:
+    excp = MomentPolicy.excp()
+    assert excp.residual_alpha == 5e-5 and excp.joint_v_beta == 2.0 and excp.prune == 0.0
+    assert excp.exp_avg_bins == 16 and excp.exp_avg_sq_bins == 15  # 4-bit codes, 0 included
+    assert (excp.min_update_cosine, excp.max_update_error) == (MomentPolicy().min_update_cosine,
+                                                               MomentPolicy().max_update_error)
+    assert MomentPolicy.from_dict(json.loads(json.dumps(excp.to_dict()))) == excp == MomentPolicy.excp()
+    assert excp.attempts()[0][3] and not any(joint for *_, joint in excp.attempts()[1:])
 
 
 INVALID = [
@@ -410,6 +594,10 @@ INVALID = [
     ("max_update_error", -0.1), ("max_update_error", math.inf), ("max_update_error", math.nan),
     ("max_update_error", False),
     ("min_numel", 0), ("min_numel", True), ("min_numel", 4096.0), ("min_numel", -1),
+    ("joint_v_beta", 0), ("joint_v_beta", 0.0), ("joint_v_beta", -2.0), ("joint_v_beta", math.inf),
+    ("joint_v_beta", math.nan), ("joint_v_beta", True), ("joint_v_beta", "2.0"), ("joint_v_beta", [2.0]),
+    ("residual_alpha", 0.0), ("residual_alpha", -5e-5), ("residual_alpha", math.inf), ("residual_alpha", math.nan),
+    ("residual_alpha", False), ("residual_alpha", "5e-5"),
 ]
 
 
@@ -450,7 +638,8 @@ tensor_records = st.builds(
     update_rel_error=st.one_of(st.none(), st.floats(0.0, 10.0)),
     exp_avg_levels=st.one_of(st.none(), st.integers(1, 255)), exp_avg_sq_levels=st.one_of(st.none(), st.integers(1, 255)),
     pruned_fraction=st.one_of(st.none(), st.floats(0.0, 1.0)), attempts=st.integers(0, 4),
-    reason=st.one_of(st.none(), st.text(max_size=30)))
+    reason=st.one_of(st.none(), st.text(max_size=30)),
+    exp_avg_sq_pruned_fraction=st.one_of(st.none(), st.floats(0.0, 1.0)))
 moment_records = st.builds(
     MomentRecord, policy=st.one_of(st.none(), valid_policies),
     tensors=st.dictionaries(st.integers(0, 99).map(lambda i: f"optimizer/state/{i}"), tensor_records, max_size=4),
@@ -461,10 +650,30 @@ moment_records = st.builds(
 @given(record=moment_records)
 def test_record_dict_round_trips_through_json(record: MomentRecord) -> None:
     data = json.loads(json.dumps(record.to_dict()))
-    assert data["version"] == 1
+    excp = (record.policy is not None and (record.policy.joint_v_beta, record.policy.residual_alpha) != (None, None)
+            or any(t.exp_avg_sq_pruned_fraction is not None for t in record.tensors.values()))
+    assert data["version"] == (2 if excp else 1), "version 1 unless the record needs 2: older readers read it"
     assert MomentRecord.from_dict(data) == record
     summary = record.summary()
     assert summary["quantized"] + summary["lossless"] == len(record.tensors)
+
+
+#: a record as version 1 wrote it (a Checkpointer's, before the ExCP fields)
+OLD_RECORD = {"version": 1, "policy": {"exp_avg_bins": 16, "exp_avg_sq_bins": 16, "prune": 0.3,
+                                       "min_update_cosine": 0.95, "max_update_error": 0.3, "min_numel": 4096},
+              "tensors": {PREFIX: {"storage": "quantized", "update_cosine": 0.98, "update_rel_error": 0.12,
+                                   "exp_avg_levels": 16, "exp_avg_sq_levels": 16, "pruned_fraction": 0.3,
+                                   "attempts": 1},
+                          "optimizer/state/1": {"storage": "lossless", "attempts": 0,
+                                                "reason": "fewer than 4096 elements"}},
+              "skipped": None}
+
+
+def test_an_old_record_reads_and_writes_back_unchanged() -> None:
+    record = MomentRecord.from_dict(json.loads(json.dumps(OLD_RECORD)))
+    assert record.policy == MomentPolicy()
+    assert all(t.exp_avg_sq_pruned_fraction is None for t in record.tensors.values())
+    assert record.to_dict() == OLD_RECORD
 
 
 GOOD_ENTRY = {"storage": "quantized", "update_cosine": 0.99, "attempts": 1}
@@ -472,7 +681,7 @@ GOOD_ENTRY = {"storage": "quantized", "update_cosine": 0.99, "attempts": 1}
 
 @pytest.mark.parametrize("data", [
     None, [], "moments", {"tensors": []}, {"tensors": None},
-    {"version": 2, "tensors": {}}, {"version": "1", "tensors": {}}, {"version": True, "tensors": {}},
+    {"version": 3, "tensors": {}}, {"version": "1", "tensors": {}}, {"version": True, "tensors": {}},
     {"tensors": {PREFIX: None}}, {"tensors": {PREFIX: {"storage": "lossy"}}}, {"tensors": {PREFIX: {}}},
     {"tensors": {PREFIX: GOOD_ENTRY}, "policy": {"bins": 4}},
     {"tensors": {PREFIX: GOOD_ENTRY}, "policy": {"prune": 2.0}},
@@ -487,6 +696,9 @@ def test_a_malformed_record_is_a_format_error(data: Any) -> None:
     {"storage": "quantized", "update_cosine": "high"},
     {"storage": "quantized", "attempts": "1"},
     {"storage": "quantized", "exp_avg_levels": [16]},
+    {"storage": "quantized", "exp_avg_sq_pruned_fraction": 1.5},
+    {"storage": "quantized", "exp_avg_sq_pruned_fraction": -0.1},
+    {"storage": "quantized", "exp_avg_sq_pruned_fraction": "0.1"},
 ])
 def test_an_entry_with_a_field_of_the_wrong_type_is_a_format_error(entry: dict[str, Any]) -> None:
     with pytest.raises(FormatError):
