@@ -26,7 +26,7 @@ reader repeats bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,10 @@ def parent_bases(reader: Any, paths: list[str], tensors: Mapping[str, np.ndarray
 class ClosedLoop:
     """One save's closed-loop coding: which tensors are residuals against which bases."""
 
-    def __init__(self, bases: Mapping[str, Base], tensors: Mapping[str, np.ndarray], keyframe_interval: int) -> None:
+    def __init__(self, paths: Iterable[str], bases: Mapping[str, Base], tensors: Mapping[str, np.ndarray],
+                 keyframe_interval: int) -> None:
+        #: the tensors stored closed-loop when the search quantizes them (keyframe or residual)
+        self.paths = frozenset(paths)
         #: every closed-loop parent array of the tensors (an unchanged tensor keeps its own,
         #: whatever its chain's depth: nothing is coded)
         self.all_bases = dict(bases)
@@ -138,7 +141,8 @@ class ClosedLoopPlans(Mapping[str, ArrayPlan]):
         plan = self._inner[path]
         codec = plan.serializer
         tensor = self._tensors.get(path)
-        if not isinstance(codec, NUQZarrCodec) or codec.dtype is not None or tensor is None \
+        if path not in self._loop.paths or not isinstance(codec, NUQZarrCodec) or codec.dtype is not None \
+                or tensor is None \
                 or np.asarray(plan.values).dtype != _F32 or np.asarray(tensor).dtype != _F32:
             return plan  # not a float32 weight: stored as planned
         loop = self._loop

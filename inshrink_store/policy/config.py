@@ -28,6 +28,9 @@ METRICS = ("magnitude", "sensitivity")
 #: what protected values may be kept as: the nuq codec names of bfloat16 and float32
 PROTECTED_DTYPES = tuple(str(dtype_registry.get(name).codec_name) for name in ("BF16", "F32"))
 MAX_LEVELS = 65534  # + the protected id = 65535 level ids, the most a uint16 payload holds
+#: the most a configuration prunes: 0.99 (a closed-loop residual is mostly pruned; a tensor
+#: keeps at least 1 % of its elements coded)
+MAX_PRUNE = 0.99
 _LEGACY = {"reuse_tolerance": "codebook_reuse_tolerance"}  # keys written by 0.1 pre-releases
 
 
@@ -69,7 +72,7 @@ class QuantConfig:
             (_is_int(self.embedding_bins) and 2 <= self.embedding_bins <= MAX_LEVELS,
              f"embedding_bins an int in 2..{MAX_LEVELS} (usually one of {EMBEDDING_BINS})",
              self.embedding_bins),
-            (_is_fraction(self.prune, 0.5), "prune a fraction in [0, 0.5]", self.prune),
+            (_is_fraction(self.prune, MAX_PRUNE), f"prune a fraction in [0, {MAX_PRUNE}]", self.prune),
             (_is_fraction(self.protect, 0.5), "protect a fraction in [0, 0.5]", self.protect),
             (self.prune_metric in METRICS, f"prune_metric one of {METRICS}", self.prune_metric),
             (self.protected_dtype in PROTECTED_DTYPES, f"protected_dtype one of {PROTECTED_DTYPES}",
