@@ -553,15 +553,16 @@ def log(
         _json([{**e.to_dict(), "tags": tags.get(e.id, [])} for e in entries])
         return
     tagged = any(e.id in tags for e in entries)  # the column only where a version shown is tagged
+    probed = any("probe" in e.metadata for e in entries)  # a Checkpointer given probe= records it
     table = Table("snapshot", *(["tags"] if tagged else []), "time", "step", "message", "metrics", "config",
-                  "search", "moments", "exact")
+                  "search", "moments", *(["probe"] if probed else []), "exact")
     for e in entries:
         metrics = " ".join(f"{k}={_number(v)}" for k, v in e.metrics.items())
         cfg, search = _quantization_summary(e.metadata.get("quantization"))
         _row(table, e.id[:12], *([", ".join(tags.get(e.id, [])) or "-"] if tagged else []),
              e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
              e.message, metrics, cfg, search, _moments_summary(e.metadata.get("moments")),
-             _exact_summary(repo, e))
+             *([_probe_summary(e.metadata.get("probe"))] if probed else []), _exact_summary(repo, e))
     out.print(table)
 
 
@@ -587,6 +588,17 @@ def _exact_summary(repo: ins.Repository, info: Any) -> str:
     if kept is None:
         return "no (residual collected)"
     return f"yes ({_size(kept.ref.stored_bytes)})"
+
+
+def _probe_summary(raw: Any) -> str:
+    """The `log` column of a version's probe record: its stored model's output against the
+    live one's on the Checkpointer's probe batch (``-`` when the version has none)."""
+    if raw is None:
+        return "-"
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)
+                                            for k in ("cosine_mean", "cosine_min", "rel_error")):
+        return "(unreadable probe record)"
+    return f"cos {raw['cosine_mean']:.4f} (min {raw['cosine_min']:.4f}), err {raw['rel_error']:.2%}"
 
 
 def _moments_summary(raw: Any) -> str:

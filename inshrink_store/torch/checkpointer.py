@@ -302,6 +302,58 @@ RESIDUAL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.5, 0.8, 0.9, 0.95, 0.98),
                              protect=(0.0005, 0.005))
 
 
+def _model_output(model: Any, probe: Any) -> Any:
+    """The first tensor of ``model``'s output on ``probe`` (a tensor, a tuple, a dict; the
+    output a tensor, a tuple or list, a mapping or a ``ModelOutput``), as float64 on the host."""
+    with torch.no_grad():
+        if isinstance(probe, Mapping):
+            out = model(**probe)
+        elif isinstance(probe, (tuple, list)):
+            out = model(*probe)
+        else:
+            out = model(probe)
+    while not torch.is_tensor(out):
+        if isinstance(out, Mapping) and out:
+            out = next(iter(out.values()))
+        elif isinstance(out, (tuple, list)) and out:
+            out = out[0]
+        else:
+            raise InvalidInputError(
+                f"Expected the model's output on the probe batch to hold a tensor. Got {type(out).__name__} instead.")
+    return out.detach().to("cpu", torch.float64)
+
+
+def _probe_similarity(model: Any, probe: Any, dtypes: dict[str, str], originals: dict[str, Any],
+                      plans: Mapping[str, Any] | None) -> dict[str, float]:
+    """How close the stored model's output on ``probe`` is to the saved one's: per sample
+    (the output's first axis) cosine, its mean and lowest, and the relative error overall.
+    ``model`` is the scratch copy holding the saved weights; they are put back afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        live = _model_output(model, probe)
+        if plans:
+            stored_state = dict(originals)
+            for path, plan in plans.items():
+                if path.startswith("model/"):
+                    name = path[len("model/"):]
+                    stored_state[name] = array_to_tensor(plan.values, dtypes[path]).reshape(originals[name].shape)
+            model.load_state_dict(stored_state)
+        try:
+            stored = _model_output(model, probe)
+        finally:
+            if plans:
+                model.load_state_dict(originals)
+    finally:
+        model.train(was_training)
+    a, b = live.reshape(live.shape[0] if live.ndim else 1, -1), stored.reshape(stored.shape[0] if stored.ndim else 1, -1)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-30)
+    norm = float(torch.linalg.vector_norm(a))
+    error = float(torch.linalg.vector_norm(b - a)) / norm if norm > 0 else 0.0
+    return {"cosine_mean": round(float(cos.mean()), 6), "cosine_min": round(float(cos.min()), 6),
+            "rel_error": round(error, 6)}
+
+
 class _QuantizedEval:
     """``eval_fn`` on a scratch copy of the model, on the model's own device, with a
     candidate's values loaded.
@@ -378,6 +430,13 @@ class Checkpointer:
     judges the result (what a restore returns), so the stored model stays within one
     residual's error of the live one (:mod:`inshrink_store.policy.closed_loop`); False
     quantizes every version's weights afresh (the open-loop method of the paper).
+
+    ``probe``: a batch the model takes (a tensor, a tuple for ``model(*probe)``, a dict for
+    ``model(**probe)``), kept for the life of the Checkpointer. Each version then records
+    how close the model it stores is to the live one: the model's output on the probe batch
+    from the stored weights against the saved weights' output (``metadata["probe"]``: mean
+    and lowest cosine over the batch's samples and the relative error), and ``inshrink log``
+    shows it. A check you can read, beside the tolerance ``eval_fn`` enforces.
     """
 
     def __init__(self, repo: Repository, model: _torch.nn.Module, optimizer: _torch.optim.Optimizer | None = None,
@@ -386,7 +445,8 @@ class Checkpointer:
                  branch: str = "main", background: bool = True, gc_wait: float = 600.0,
                  lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, extra_state: Mapping[str, Any] | None = None,
-                 exact_resume: int = 1, closed_loop: bool = True, **legacy: Unpack[PolicyArgs]) -> None:
+                 exact_resume: int = 1, closed_loop: bool = True, probe: Any = None,
+                 **legacy: Unpack[PolicyArgs]) -> None:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise FormatError(
                 f"Expected every to be an int (steps between saves) or None. Got {every!r} instead; "
@@ -414,6 +474,11 @@ class Checkpointer:
         if not isinstance(closed_loop, bool):
             raise InvalidInputError(f"Expected closed_loop to be True or False. Got {closed_loop!r} instead.")
         self.closed_loop = closed_loop
+        if probe is not None and not (torch.is_tensor(probe) or isinstance(probe, (tuple, list, Mapping))):
+            raise InvalidInputError(
+                f"Expected probe to be a batch the model takes: a tensor, a tuple of them (model(*probe)) or a "
+                f"dict (model(**probe)). Got {type(probe).__name__} instead.")
+        self.probe = probe
         #: after :meth:`restore`: True when the state loaded is bit-exact (a restore residual
         #: or a lossless version), False when quantized tensors hold their stored values
         self.restored_exact: bool | None = None
@@ -526,7 +591,8 @@ class Checkpointer:
         self._ema = {}
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in self.model.named_modules()
                  for p, _ in mod.named_parameters(recurse=False)}
-        eval_model = copy.deepcopy(self.model) if self.eval_fn is not None else None  # stays on its device
+        eval_model = (copy.deepcopy(self.model)  # stays on its device
+                      if self.eval_fn is not None or self.probe is not None else None)
         copy_s = time.perf_counter() - start
         params = param_paths(self.model, self.optimizer) if self.optimizer is not None else {}
         job = _Job(state, sensitivity, kinds, eval_model, params, step, metrics, message, copy_s)
@@ -665,6 +731,8 @@ class Checkpointer:
                 plans = loop.plans(decision.plans, arrays)
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
+        if self.probe is not None and job.eval_model is not None:
+            metadata["probe"] = _probe_similarity(job.eval_model, self.probe, dtypes, job.state["model"], plans)
         if decision.moments is not None:
             metadata["moments"] = decision.moments.to_dict()
             if decision.moments.skipped and not self._told_skipped:
