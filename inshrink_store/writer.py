@@ -353,7 +353,10 @@ class _ChunkPipeline:
     def _put(self, key: str, payload: bytes | memoryview, stored: Callable[[], None],
              closed: ClosedLoopCoding | None = None) -> None:
         try:
-            self._view.put(key, payload, closed)
+            if closed is None:
+                self._view.put(key, payload)
+            else:
+                self._view.put(key, payload, closed=closed)
         finally:
             self._slots.release()
         stored()

@@ -58,7 +58,7 @@ from inshrink_store.policy import (
 )
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.moments import MomentPolicy
-from inshrink_store.policy.search import SearchResult, SearchSpace
+from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
 from inshrink_store.refs import Refs
 from inshrink_store.residual import MAX_KEEP_NEWEST
@@ -352,6 +352,17 @@ def _probe_similarity(model: Any, probe: Any, dtypes: dict[str, str], originals:
     error = float(torch.linalg.vector_norm(b - a)) / norm if norm > 0 else 0.0
     return {"cosine_mean": round(float(cos.mean()), 6), "cosine_min": round(float(cos.min()), 6),
             "rel_error": round(error, 6)}
+
+
+def _on_axes(space: SearchSpace, previous: QuantConfig | None) -> bool:
+    """Whether ``previous`` is a point of ``space`` (the neighbourhood search needs one)."""
+    if previous is None:
+        return False
+    try:
+        space.index(SearchPoint.of(previous))
+    except FormatError:
+        return False
+    return True
 
 
 class _QuantizedEval:
@@ -718,12 +729,15 @@ class Checkpointer:
             # closed-loop residual searched in RESIDUAL_SPACE met the tolerance at every save
             # and still ended the evaluation's LM +11.8 % after 10 restores, against +2.3 %)
             policy = self.policy if self.exact_resume else self.policy.resuming()
-            if self.exact_resume and loop is not None and loop.bases:
-                policy = replace(policy, space=RESIDUAL_SPACE)
+            if self.exact_resume and loop is not None and loop.bases and policy.space == SearchSpace():
+                policy = replace(policy, space=RESIDUAL_SPACE)  # a space the user chose is kept
             # the neighbourhood search starts from the previous version's point only within one space
             # the neighbourhood search starts from the previous version's point only in the
             # space that point came from (keyframes and residuals are searched apart)
-            previous = self._previous if policy.space == self._previous_space else None
+            # (after a restore, the space is unknown: any previous point on this space's axes)
+            same = policy.space == self._previous_space or (
+                self._previous_space is None and _on_axes(policy.space, self._previous))
+            previous = self._previous if same else None
             self._previous_space = policy.space
             decision = policy.decide(candidates, evaluate, previous=previous)
             plans = decision.plans

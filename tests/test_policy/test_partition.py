@@ -308,7 +308,7 @@ def test_config_json_round_trip(bins, prune, protect, metric, pdt, emb, min_nume
 
 
 def test_config_validation_and_legacy_key():
-    for bad in ({"bins": 1}, {"bins": 65535}, {"bins": 8.0}, {"bins": True}, {"prune": 0.6},
+    for bad in ({"bins": 1}, {"bins": 65535}, {"bins": 8.0}, {"bins": True}, {"prune": 0.995},
                 {"prune": -0.1}, {"prune": float("nan")}, {"prune_metric": "random"}, {"protect": -0.1},
                 {"protected_dtype": "float16"}, {"embedding_bins": 1}, {"min_numel": 0},
                 {"codebook_reuse_tolerance": 0.9}, {"codebook_reuse_tolerance": float("inf")}):
