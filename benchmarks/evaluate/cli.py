@@ -2,6 +2,7 @@
 
     python -m benchmarks evaluate                       # full: docs/evaluation.md, docs/img/evaluation/
     python -m benchmarks evaluate --quick --out DIR     # smoke test: tiny runs, into DIR
+    python -m benchmarks evaluate --quick --finetune    # the smoke test with the fine-tune too (minutes)
     python -m benchmarks evaluate --from-json FILE      # the page and plots again, from saved results
 
 Quick mode never writes into docs/: without ``--out`` it writes into a new temporary folder.
@@ -24,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny runs (seconds), to check the harness")
+    parser.add_argument("--finetune", action="store_true",
+                        help="with --quick: also the fine-tune of all-MiniLM-L6-v2, tiny (minutes, not seconds); "
+                             "the full evaluation always runs it")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for evaluation.md and img/evaluation/ (default: docs/, or a new "
                              "temporary folder with --quick)")
@@ -51,13 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     out = _out(args)
     images = out / "img" / "evaluation"
     images.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks evaluate" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks evaluate" + (" --quick" if args.quick else "") + (
+        " --finetune" if args.quick and args.finetune else "")
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text())
         wall_s = results["meta"]["wall_s"]
         command = results["meta"]["command"]
     else:
-        results = plan.evaluate(workloads.all_workloads(args.quick), plan.Plan.make(args.quick))
+        results = plan.evaluate(workloads.all_workloads(args.quick, args.finetune), plan.Plan.make(args.quick))
         wall_s = time.perf_counter() - STARTED
         results["meta"] = {"command": command, "wall_s": wall_s, "machine": report.machine()}
         results = plan.compact(results)

@@ -37,7 +37,7 @@ MAIN: dict[str, Any] = {
     "lc": Baseline("lc", "exponent buckets (LC-Checkpoint style)", baselines.ExponentBuckets),
     "excp": Baseline("excp", "joint weight-moment pruning (ExCP style)", baselines.ExcpJoint),
 }
-SHORT_NAMES = {"cnn": "CNN", "lm": "LM", "transfer": "transfer"}
+SHORT_NAMES = {"cnn": "CNN", "lm": "LM", "transfer": "transfer", "finetune": "MiniLM"}
 LOSSLESS_LABELS = {"ours": "ours, lossless (dedup + float codec + XOR against the parent)", "zipnn": "ZipNN", "zstd": "zstd-3"}
 
 _PAPER = MAIN["ours-paper"]
@@ -61,7 +61,8 @@ ABLATIONS: dict[str, tuple[Ours, str]] = {
 @dataclass(frozen=True)
 class Plan:
     """Sizes of one evaluation: the tolerances and restore counts swept, and which workloads
-    get the ablations and the restore sweep (all of them in full mode)."""
+    get the ablations and the sweeps: the first N, so the fine-tune (last, and larger than the
+    rest together) gets neither."""
 
     quick: bool
     tolerances: tuple[float, ...]

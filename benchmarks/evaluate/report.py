@@ -17,6 +17,8 @@ from benchmarks.evaluate import metrics, plots
 from benchmarks.evaluate.plan import ABLATIONS, MAIN
 
 GOAL_WEIGHTS, GOAL_STATE, GOAL_CHANGE = 30.0, 10.0, 0.005
+PAPER_PARAMETERS = (60e6, 355e6)  # the paper's models: ResNet-152 (60 M) to GPT-2 Medium (355 M)
+COUNTS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 def x(value: float) -> str:
@@ -25,6 +27,29 @@ def x(value: float) -> str:
 
 def pct(value: float) -> str:
     return f"{100 * value:+.2f} %"
+
+
+def size(parameters: float) -> str:
+    """A parameter count for people: ``284 k``, ``22.6 M``, ``355 M``."""
+    return f"{parameters / 1e6:.3g} M" if parameters >= 1e6 else f"{parameters / 1e3:.0f} k"
+
+
+def count(n: int) -> str:
+    return COUNTS[n] if n < len(COUNTS) else str(n)
+
+
+def sizes(results: dict[str, Any]) -> tuple[float, float]:
+    """The smallest and the largest model's parameter count."""
+    every = [w["parameters"] for w in results["workloads"].values()]
+    return min(every), max(every)
+
+
+def against_paper(results: dict[str, Any]) -> str:
+    """How much smaller these models are than the paper's, from the results."""
+    small, large = sizes(results)
+    return (f"{PAPER_PARAMETERS[0] / large:.0f} to {PAPER_PARAMETERS[1] / small:,.0f} times smaller than the "
+            f"paper's ({size(small)} to {size(large)} parameters here, {size(PAPER_PARAMETERS[0])} to "
+            f"{size(PAPER_PARAMETERS[1])} there)")
 
 
 def machine() -> str:
@@ -144,9 +169,10 @@ def lossless_versions(results: dict[str, Any], key: str) -> dict[str, int]:
 def why(results: dict[str, Any]) -> list[str]:
     """The reasons behind the goals' outcome, with their figures."""
     d = {w["title"]: metrics.ratios(results["runs"][n]["ours"]["usage"]) for n, w in results["workloads"].items()}
-    meta = {w["title"]: metrics.metadata_share(results["runs"][n]["ours"]["usage"])
-            for n, w in results["workloads"].items()}
+    meta = {f"{w['title']}, {size(w['parameters'])} parameters":
+            metrics.metadata_share(results["runs"][n]["ours"]["usage"]) for n, w in results["workloads"].items()}
     lossless = {t: n for t, n in lossless_versions(results, "ours").items() if n}
+    checkpoints = {w["title"]: w["checkpoints"] for w in results["workloads"].values()}
     out = [
         "Why the figures are what they are:",
         "",
@@ -156,29 +182,28 @@ def why(results: dict[str, Any]) -> list[str]:
         + "; ".join(f"{t}: {x(r['history'])} → {x(r['disk'])}" for t, r in d.items())
         + "). It exists for the newest version only, so its share falls as the run gets longer.",
         "- **Per-array documents.** Every version writes, for each array that changed, its zarr.json "
-        "(the codebook, the codec chain, the shape) in a tree document, compact JSON stored as a zstd frame. On "
-        "models of 0.1–0.3 M parameters with ~100 arrays (every Adam moment and step counter is one) that "
-        "is " + ", ".join(f"{v:.0%} ({t})" for t, v in meta.items()) + " of the default's stored history (table "
-        "below); on a model of 100 M parameters it is noise. Fewer arrays for the small tensors (one per "
-        "Adam moment and step counter today) is what would lift these whole-state figures further.",
+        "(the codebook, the codec chain, the shape) in a tree document, compact JSON stored as a zstd frame. "
+        "Every Adam moment and step counter is an array of its own; that is "
+        + ", ".join(f"{v:.0%} ({t})" for t, v in meta.items()) + " of the default's stored history (table "
+        "below): it weighs on small models, and its share falls as the model grows. Fewer arrays for the "
+        "small tensors (one per Adam moment and step counter today) is what would lift the small models' "
+        "whole-state figures further.",
         "- **Small tensors and moments.** Tensors under 4096 elements (biases, norms, the LM's position "
         "table) stay lossless; Adam's two moments are two thirds of the state and are guarded by the "
         "update they drive, so they compress less than the weights.",
     ]
     if lossless:
         out.append(
-            "- **Versions stored lossless.** " + ", ".join(f"{t}: {n}" for t, n in lossless.items())
-            + f" of {results['workloads'][next(iter(results['workloads']))]['checkpoints']} versions of the "
-            "default were stored lossless because no point of the search space was within the tolerance. "
+            "- **Versions stored lossless.** " + ", ".join(f"{t}: {n} of {checkpoints[t]}" for t, n in lossless.items())
+            + " versions of the default were stored lossless because no point of the search space was within the tolerance. "
             "The search has no axis for the embedding table: it always gets the base configuration's 16 "
             "levels, and quantizing that table alone already costs more than the tolerance (the most "
             "sensitive tensors below, each quantized alone with the base configuration on the final "
             "uninterrupted model). Then the whole model is stored lossless, not just that tensor.")
     out.append("- **Lossy resumes.** In the paper's setting every restore hands training the stored, "
                "quantized model; the damage adds up over the restores although every version met the "
-               "tolerance when it was saved (see the restore sweep). These models are hundreds to thousands "
-               "of times smaller than the paper's, with little redundancy, and far more sensitive to a few "
-               "levels per tensor.")
+               f"tolerance when it was saved (see the restore sweep). These models are {against_paper(results)}, "
+               "with less redundancy, and more sensitive to a few levels per tensor.")
     out.append(excp_line(results))
     out.append(overhead_line(results))
     return out
@@ -270,8 +295,8 @@ def workloads_table(results: dict[str, Any]) -> list[str]:
     lines = ["| workload | model | data | parameters (trainable) | steps | checkpoints (every) | quality |",
              "|---|---|---|---|---|---|---|"]
     for work in results["workloads"].values():
-        lines.append(f"| {work['title']} | {work['model']} | {work['data']} | {work['parameters'] / 1e3:.0f} k "
-                     f"({work['trainable'] / 1e3:.0f} k) | {work['steps']} | {work['checkpoints']} "
+        lines.append(f"| {work['title']} | {work['model']} | {work['data']} | {size(work['parameters'])} "
+                     f"({size(work['trainable'])}) | {work['steps']} | {work['checkpoints']} "
                      f"({work['every']}) | test {work['metric']} |")
     return lines
 
@@ -284,6 +309,9 @@ def _paper_cell(results: dict[str, Any], name: str, key: str, kind: str = "weigh
     return f"{work.get('short', work['title'])} {x(r)}, {pct(metrics.run_change(runs, key, work['metric']))}"
 
 
+TRANSFER = ("transfer", "finetune")  # the workloads that fine-tune a pre-trained model
+
+
 def paper_table(results: dict[str, Any]) -> list[str]:
     """Our headline figures beside the paper's (its ten-failure runs on 8x A40)."""
     def cells(key: str, kind: str = "weights", names: tuple[str, ...] | None = None) -> str:
@@ -292,7 +320,7 @@ def paper_table(results: dict[str, Any]) -> list[str]:
 
     tight = "ours-paper" if results["tolerance"] == 0.01 else "tol:0.01"
     return [
-        "| | the paper (ResNet-152, ViT-L32, BERT-Base, GPT-2 Medium; 8× A40) | here (small models, CPU) |",
+        "| | the paper (ResNet-152, ViT-L32, BERT-Base, GPT-2 Medium; 8× A40) | here (CPU) |",
         "|---|---|---|",
         "| ours, ten lossy restores: weights ratio, final quality change | 39.09× 0.50 %; 26.19× −0.46 %; "
         f"29.25× 0.80 %; 29.81× 0.61 % | paper setting: {cells('ours-paper')} |",
@@ -301,7 +329,7 @@ def paper_table(results: dict[str, Any]) -> list[str]:
         f"| Check-N-Run | 5.71×, 7.82×, 6.78×, 6.35× | {cells('cnr')} |",
         f"| QD-Compressor | 11.82×, 16.31×, failed, 22.15× | {cells('qd')} |",
         "| transfer learning | BERT-Large 11.32×, Pythia-1B 9.99×, no quality loss | paper setting: "
-        f"{cells('ours-paper', names=('transfer',)) or '–'}; default: {cells('ours', names=('transfer',)) or '–'} |",
+        f"{cells('ours-paper', names=TRANSFER) or '–'}; default: {cells('ours', names=TRANSFER) or '–'} |",
         f"| tolerance ε = 0.01 | ResNet-152 21.82×, no degradation | {cells(tight) or '–'} |",
         "| 5 / 10 / 20 lossy restores | 0.16 % / 0.50 % / 1.1 % (ResNet-152) | the restore sweep above |",
     ]
@@ -316,7 +344,8 @@ def page(results: dict[str, Any], command: str, wall_s: float, images: str) -> s
         "",
         "What a checkpoint store is trusted for: a long run fails again and again, resumes from its "
         "newest compressed checkpoint each time, and must still end where it would have ended. This "
-        f"page trains three small models on the CPU, fails each run {failures} times, and compares the "
+        f"page trains {count(len(results['workloads']))} models of {size(sizes(results)[0])} to "
+        f"{size(sizes(results)[1])} parameters on the CPU, fails each run {failures} times, and compares the "
         "store with lossless formats, with reference implementations of the published lossy methods "
         "and with the store minus each of its parts: one command, every method on the same runs and the "
         "same checkpoint schedule.",
@@ -376,7 +405,7 @@ def page(results: dict[str, Any], command: str, wall_s: float, images: str) -> s
         *ablation_table(results), "",
         *ABLATION_TEXT,
         "", "## Tolerance sweep", "",
-        f"The paper's setting at three tolerances ε of the search ({failures} lossy restores each); "
+        f"The paper's setting at {count(len(results['plan']['tolerances']))} tolerances ε of the search ({failures} lossy restores each); "
         "weights ratio / whole-state ratio / final quality change.", "",
         *tolerance_table(results), "",
         "", "## Restores against quality", "",
@@ -392,18 +421,18 @@ def page(results: dict[str, Any], command: str, wall_s: float, images: str) -> s
         "before it trains on). The default resumes bit-exact, so its curve lies on the uninterrupted one.",
         "", f"![test loss with restores]({images}/loss-curves.png)",
         "", "## The baselines, as implemented here", "", *BASELINES,
-        "", "## Beside the paper", "", *paper_table(results), "", *PAPER_TEXT,
+        "", "## Beside the paper", "", *paper_table(results), "", paper_text(results),
         "", "## Regenerate", "",
         "The whole page, its plots and `evaluation.json` (every figure, as data) come from one command, "
         f"about {wall} here:",
         "",
-        "<!-- docs-test: skip (run from a checkout of the repository: benchmarks/ is not installed; 10-25 minutes) -->",
+        "<!-- docs-test: skip (run from a checkout of the repository: benchmarks/ is not installed; 45-90 minutes) -->",
         "```bash",
         "python -m benchmarks evaluate",
         "```",
         "",
-        "The smoke test CI runs (tiny runs, 2 restores, written to a folder of your choice, never over "
-        "this page):",
+        "The smoke test CI runs (tiny runs of the first three workloads, 2 restores, written to a folder of "
+        "your choice, never over this page; `--finetune` adds a tiny fine-tune, minutes more):",
         "",
         "<!-- docs-test: skip (run from a checkout of the repository: benchmarks/ is not installed) -->",
         "```bash",
@@ -498,13 +527,12 @@ BASELINES = [
     "lossless (zstd), which is why their whole-state ratios stay near 1.5×.",
 ]
 
-PAPER_TEXT = [
-    "The paper's models are hundreds to thousands of times larger and trained for hours between checkpoints on "
-    "GPUs; these are CPU-sized stand-ins, so compare the shape of the results (which method wins, how "
-    "damage grows with restores), not the digits. Two differences of method matter: the paper "
-    "compresses the weights only and resumes from lossy checkpoints; the store compresses the whole "
-    "training state and, by default, resumes bit-exact from the newest version.",
-]
+def paper_text(results: dict[str, Any]) -> str:
+    return (f"These models are {against_paper(results)}, and the paper's trained for hours between "
+            "checkpoints on GPUs; these are CPU-sized stand-ins, so compare the shape of the results (which "
+            "method wins, how damage grows with restores), not the digits. Two differences of method matter: "
+            "the paper compresses the weights only and resumes from lossy checkpoints; the store compresses "
+            "the whole training state and, by default, resumes bit-exact from the newest version.")
 
 
 def write(results: dict[str, Any], out: Path, command: str, wall_s: float, plotted: bool = True) -> Path:
