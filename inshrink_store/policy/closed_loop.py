@@ -54,6 +54,12 @@ def source_digest(values: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def _finite(values: np.ndarray) -> bool:
+    """Whether every element is finite: a float32 tensor's float64 sum cannot overflow, and
+    any NaN or inf makes it non-finite (one pass, no boolean temporary of the tensor's size)."""
+    return bool(np.isfinite(np.sum(values, dtype=np.float64)))
+
+
 @dataclass(frozen=True)
 class Base:
     """The parent version's closed-loop array of one tensor: its stored values (the
@@ -98,7 +104,10 @@ class ClosedLoop:
         #: whatever its chain's depth: nothing is coded)
         self.all_bases = dict(bases)
         #: path -> base, for the tensors stored as residuals (their parent's chain has room)
-        self.bases = {p: b for p, b in bases.items() if b.depth + 1 < keyframe_interval}
+        #: (a tensor with NaN or inf, now or in its base, gets a keyframe: inf - inf is NaN, so a
+        #: residual would turn an inf weight into NaN; a keyframe protects the values as they are)
+        self.bases = {p: b for p, b in bases.items() if b.depth + 1 < keyframe_interval
+                      and _finite(b.values) and _finite(np.asarray(tensors[p]))}
         self.sources = {p: source_digest(np.asarray(tensors[p], _F32)) for p in bases}
         #: tensors whose true bits are their parent's: the parent's reconstruction is kept
         self.unchanged = {p for p, b in bases.items() if b.source is not None and b.source == self.sources[p]}

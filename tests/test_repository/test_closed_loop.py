@@ -230,3 +230,24 @@ def test_exact_resume_is_bit_exact_with_closed_loop_and_open_loop_stays_availabl
     assert meta["codecs"][0]["name"] == "inshrink.nuq"
     with pytest.raises(ins.errors.InvalidInputError, match="closed_loop"):
         Checkpointer(ins.open(url), fresh, closed_loop="yes")  # type: ignore[arg-type]
+
+
+def test_nan_and_inf_weights_are_kept_as_stored_and_read_back(tmp_path: Path) -> None:
+    """Bad values in a weight: the version holds the planned values (NaN and ±inf where the
+    tensor has them, in a residual as in a keyframe) and reads back bit for bit."""
+    url = str(tmp_path / "store")
+    repo = ins.open(url, create=True)
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((128, 96)) * 0.05).astype(np.float32)
+    parent = None
+    for step in range(3):
+        w = w + (rng.standard_normal(w.shape) * 0.003).astype(np.float32)
+        if step == 1:
+            w[3, :3] = [np.nan, np.inf, -np.inf]
+        info, plans = _save(repo, parent, w, QuantConfig(bins=8, prune=0.3, min_numel=16))
+        parent = info.id
+        got = ins.open(url).checkout(info.id).read(W)
+        assert got.tobytes() == np.asarray(plans[W].values).tobytes()
+        assert np.isfinite(got[4:]).all()
+    assert np.isnan(got[3, 0]) and np.isposinf(got[3, 1]) and np.isneginf(got[3, 2])
+    assert ins.open(url).verify().ok
