@@ -302,6 +302,17 @@ RESIDUAL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.5, 0.8, 0.9, 0.95, 0.98),
                              protect=(0.0005, 0.005))
 
 
+def _with_plans(originals: dict[str, Any], plans: Mapping[str, Any], dtypes: dict[str, str]) -> dict[str, Any]:
+    """The model's state dict ``originals`` with the planned values of its tensors in
+    (``model/<name>`` plans; the optimizer's are left out): the model as a version stores it."""
+    state = dict(originals)
+    for path, plan in plans.items():
+        if path.startswith("model/"):
+            name = path[len("model/"):]
+            state[name] = array_to_tensor(plan.values, dtypes[path]).reshape(originals[name].shape)
+    return state
+
+
 def _model_output(model: Any, probe: Any) -> Any:
     """The first tensor of ``model``'s output on ``probe`` (a tensor, a tuple, a dict; the
     output a tensor, a tuple or list, a mapping or a ``ModelOutput``), as float64 on the host."""
@@ -333,12 +344,7 @@ def _probe_similarity(model: Any, probe: Any, dtypes: dict[str, str], originals:
     try:
         live = _model_output(model, probe)
         if plans:
-            stored_state = dict(originals)
-            for path, plan in plans.items():
-                if path.startswith("model/"):
-                    name = path[len("model/"):]
-                    stored_state[name] = array_to_tensor(plan.values, dtypes[path]).reshape(originals[name].shape)
-            model.load_state_dict(stored_state)
+            model.load_state_dict(_with_plans(originals, plans, dtypes))
         try:
             stored = _model_output(model, probe)
         finally:
@@ -396,11 +402,8 @@ class _QuantizedEval:
     def _evaluate(self, plans: PlanSet | None) -> float:
         if plans is None:
             return float(self.eval_fn(self.model))
-        quantized = dict(self.originals)
-        for path, plan in (plans if self.stored is None else self.stored(plans)).items():
-            name = path[len("model/"):]
-            quantized[name] = array_to_tensor(plan.values, self.dtypes[path]).reshape(self.originals[name].shape)
-        self.model.load_state_dict(quantized)
+        self.model.load_state_dict(_with_plans(self.originals, plans if self.stored is None else self.stored(plans),
+                                               self.dtypes))
         try:
             return float(self.eval_fn(self.model))
         finally:
