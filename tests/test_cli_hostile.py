@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import inshrink_store as ins
-from inshrink_store import _cli
-from inshrink_store._cli import main
+from inshrink_store._cli import main, versions
 from tests._cli_helpers import run, run_main, runner  # noqa: F401
 
 MESSAGE = "[bold]x[/red] :smile: [link=http://e]y[/link]"
@@ -184,7 +183,7 @@ def test_main_turns_file_system_errors_into_one_line(monkeypatch, capsys, exc: O
     def boom(url: str, create: bool = False) -> None:
         raise exc
 
-    monkeypatch.setattr(_cli, "_open", boom)
+    monkeypatch.setattr(versions, "_open", boom)  # where `log` looks its store opener up
     code, _, stderr = run_main(monkeypatch, capsys, "log", "somewhere")
     assert_one_line_error(code, stderr, "/srv/[x]/inshrink.json", "Expected", "instead")
 
