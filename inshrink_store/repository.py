@@ -35,7 +35,7 @@ from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name
 from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
 from inshrink_store.session import Planner, WriteSession, check_planner, open_session
-from inshrink_store.storage import Storage
+from inshrink_store.storage import Storage, open_storage
 from inshrink_store.zarr_store import InshrinkStore
 
 #: how long a commit waits for a running gc before GcRunningError (a dead gc is recognised
@@ -72,7 +72,7 @@ def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
 ) -> Repository:
     """Open the store at ``url`` (a path, file://, memory://, s3://, gs://); ``create``
     makes an empty one if nothing is there."""
-    storage = Storage(url, storage_options)
+    storage = open_storage(url, storage_options)
     try:  # one read of the settings (no existence check first: a request saved on S3)
         return Repository(storage, keyframe_interval=keyframe_interval)
     except FileNotFoundError:
@@ -90,7 +90,7 @@ def init(
     exist_ok: bool = False,
 ) -> Repository:
     """Create an empty store at ``url``; an existing store is an error unless ``exist_ok``."""
-    storage = Storage(url, storage_options)
+    storage = open_storage(url, storage_options)
     if storage.is_local and os.path.exists(storage.root) and not os.path.isdir(storage.root):
         raise FormatError(
             f"Expected a folder (or nothing) at {url!r} to create a store in. Got a file there "

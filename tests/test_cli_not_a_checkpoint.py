@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import inshrink_store as ins
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 from tests._cli_helpers import run_main
 
 torch = pytest.importorskip("torch")
@@ -82,4 +82,4 @@ def test_an_unsupported_scheme_is_named_with_the_supported_ones(url: str, monkey
     with pytest.raises(ins.InvalidInputError, match=f"{scheme}://"):
         ins.open(url)
     with pytest.raises(ins.InvalidInputError, match="s3://"):
-        Storage(url)
+        open_storage(url)

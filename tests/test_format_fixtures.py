@@ -104,10 +104,10 @@ def test_the_newest_fixture_keeps_its_nodes_inline() -> None:
     a node tree file (every tensor has a few chunks; the root group's attributes are over
     the inline limit)."""
     from inshrink_store.manifest import RootTree
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
     url = str(FIXTURES / "store-objects-v6")
-    storage, repo = Storage(url), ins.open(url)
+    storage, repo = open_storage(url), ins.open(url)
     roots = {repo.resolve(ref) for ref in ("main", "main~1", "first", "side")}
     trees = set(storage.list("trees"))
     mixed = 0

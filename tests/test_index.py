@@ -1,6 +1,6 @@
 """The snapshot index: every tree of a snapshot is read once per process, whoever asks.
 
-Reads are counted per path by wrapping ``Storage.read`` (every tree and snapshot read)
+Reads are counted per path by wrapping ``FsspecStorage.read`` (every tree and snapshot read)
 and the filesystem's ``cat_file`` (everything, ranged object headers included).
 """
 
@@ -18,7 +18,7 @@ import inshrink_store as ins
 from inshrink_store import cas, index, layout
 from inshrink_store.errors import IntegrityError, NotFoundError
 from inshrink_store.index import IndexCache, SnapshotIndex
-from inshrink_store.storage import Storage
+from inshrink_store.storage import FsspecStorage, Storage, open_storage
 from inshrink_store.writer import previous_codecs
 from inshrink_store.zarr_store import SnapshotChunks
 
@@ -40,8 +40,8 @@ class Reads:
         self.by_path: collections.Counter[str] = collections.Counter()
         self.ranged: list[tuple[str, int | None, int | None]] = []
         self._lock = threading.Lock()
-        original_read = Storage.read
-        fs = Storage(url).fs  # fsspec shares instances: this is the one every handle uses
+        original_read = FsspecStorage.read
+        fs = open_storage(url).fs  # fsspec shares instances: this is the one every handle uses
         fs_class = type(fs)
         original_cat = fs_class.cat_file
 
@@ -57,7 +57,7 @@ class Reads:
                 self.ranged.append((path, start, end))
             return original_cat(fs, path, start=start, end=end, **kw)
 
-        monkeypatch.setattr(Storage, "read", read)
+        monkeypatch.setattr(FsspecStorage, "read", read)
         monkeypatch.setattr(fs_class, "cat_file", cat_file)
         # an earlier monkeypatch of this shared instance may have left its own cat_file on it
         monkeypatch.setattr(fs, "cat_file", cat_file.__get__(fs))
@@ -142,7 +142,7 @@ def test_quantized_save_with_a_parent_reads_the_parent_trees_once(
     parent_root = _root(url)
     parent_trees = {layout.tree_path(parent_root)} | {
         layout.tree_path(tid) for tid in SnapshotIndex.of(
-            cas.ObjectStore(Storage(url)), parent_root).root.nodes.values()}
+            cas.ObjectStore(open_storage(url)), parent_root).root.nodes.values()}
     index.CACHE.clear()
     reads = Reads(monkeypatch, url)
     repo.save(_state(2), quantize=plan, message="quantized again")  # codebooks from the parent
@@ -190,7 +190,7 @@ def test_the_cache_is_bounded_and_an_evicted_snapshot_is_read_again(url: str) ->
     for seed in (5, 6):
         repo.save(_state(seed))
         roots.append(_root(url))
-    storage = Storage(url)
+    storage = open_storage(url)
     cache = IndexCache(max_entries=2)
     first = cache.get(storage, roots[0])
     assert cache.get(storage, roots[0]) is first
@@ -209,11 +209,11 @@ def test_the_cache_is_bounded_and_an_evicted_snapshot_is_read_again(url: str) ->
 
 def test_the_cache_tells_stores_apart(url: str, memory_url: str) -> None:
     del memory_url
-    storage = Storage(url)
+    storage = open_storage(url)
     cache = IndexCache()
     root = _root(url)
-    assert cache.get(storage, root) is cache.get(Storage(url), root)
-    assert cache.get(Storage(url, {"skip_instance_cache": True}), root) is not cache.get(storage, root)
+    assert cache.get(storage, root) is cache.get(open_storage(url), root)
+    assert cache.get(open_storage(url, {"skip_instance_cache": True}), root) is not cache.get(storage, root)
 
 
 # -- what the index answers ------------------------------------------------------------------
@@ -264,12 +264,12 @@ def test_quantization_codecs_are_the_previous_codebooks(memory_url: str) -> None
 
 def test_uncached_views_read_storage_afresh(tree_files: None, url: str, cold_cache: None) -> None:
     """What verify needs: a tree damaged after it was cached is still found."""
-    objects = cas.ObjectStore(Storage(url))
+    objects = cas.ObjectStore(open_storage(url))
     root = _root(url)
     cached = SnapshotChunks(objects, root, "s")
     tid = cached.root.nodes["x"]
     assert cached.index.arrays()  # every tree now cached
-    storage = Storage(url)
+    storage = open_storage(url)
     raw = storage.read(layout.tree_path(tid))
     storage.write(layout.tree_path(tid), raw[:-1] + bytes([raw[-1] ^ 0x5A]))  # one byte flipped
     assert SnapshotChunks(objects, root, "s").index.arrays()["x"].shape == (32,)
@@ -278,7 +278,7 @@ def test_uncached_views_read_storage_afresh(tree_files: None, url: str, cold_cac
 
 
 def test_a_missing_root_fails_at_once_and_is_not_kept(url: str, cold_cache: None) -> None:
-    objects = cas.ObjectStore(Storage(url))
+    objects = cas.ObjectStore(open_storage(url))
     missing = "0" * 32
     for _ in range(2):
         with pytest.raises(NotFoundError, match=missing):
@@ -293,7 +293,7 @@ def test_headers_are_ranged_reads(
     kind: str, memory_url: str, tmp_path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     url = memory_url if kind == "memory" else str(tmp_path / "store")
-    objects = cas.ObjectStore(Storage(url))
+    objects = cas.ObjectStore(open_storage(url))
     payload = np.random.default_rng(0).bytes(1 << 20)
     oid = objects.put(payload).oid
     reads = Reads(monkeypatch, url)
@@ -301,7 +301,7 @@ def test_headers_are_ranged_reads(
     assert [(start, end) for _, start, end in reads.ranged] == [(0, cas.HEADER_SIZE)]
     assert reads.by_path == {}  # no Storage.read (whole object) at all
 
-    fs = Storage(url).fs
+    fs = open_storage(url).fs
     original = type(fs).cat_file
 
     def no_ranges(fs, path, start=None, end=None, **kw):  # type: ignore[no-untyped-def]

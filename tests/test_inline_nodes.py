@@ -19,7 +19,7 @@ import inshrink_store as ins
 from inshrink_store import manifest
 from inshrink_store.errors import FormatError, IntegrityError
 from inshrink_store.manifest import NodeTree, RootTree, canonical_json, pack_tree, parse_document
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 
 OID = "ab" * 16
 NODE_PATHS = st.lists(st.sampled_from(["", "a", "a/b", "model/w", "x.y", "ü"]), unique=True, max_size=5)
@@ -97,7 +97,7 @@ def test_a_root_format_this_release_does_not_know_says_to_upgrade() -> None:
 
 
 def _tree_files(url: str) -> list[str]:
-    return sorted(Storage(url).list("trees"))
+    return sorted(open_storage(url).list("trees"))
 
 
 def test_a_save_writes_a_tree_file_only_for_large_nodes() -> None:
@@ -128,7 +128,7 @@ def test_gc_keeps_the_chunks_an_inline_node_names_and_verify_checks_them() -> No
     np.testing.assert_array_equal(fresh.load()["w"], np.full(8, 2, np.float32))
     assert fresh.verify().ok
     (oid,) = fresh.checkout().arrays()["w"].chunk_ids.values()
-    Storage(url).delete(f"objects/{oid[:2]}/{oid[2:]}")
+    open_storage(url).delete(f"objects/{oid[:2]}/{oid[2:]}")
     ins.index.CACHE.clear()
     problems = ins.open(url).verify().problems
     assert [(p.kind, p.id) for p in problems] == [("object", oid)]
@@ -210,9 +210,9 @@ def test_verify_names_a_damaged_root_that_holds_nodes_inline() -> None:
     repo = ins.open(url, create=True)
     info = repo.save({"w": np.arange(6, dtype=np.float32)})
     path = f"trees/{info.root[:2]}/{info.root[2:]}"
-    raw = bytearray(Storage(url).read(path))
+    raw = bytearray(open_storage(url).read(path))
     raw[-1] ^= 0x5A
-    Storage(url).write(path, bytes(raw))
+    open_storage(url).write(path, bytes(raw))
     ins.index.CACHE.clear()
     report = ins.open(url).verify()
     assert not report.ok and [p.kind for p in report.problems] == ["tree"]
@@ -230,7 +230,7 @@ def test_verify_reports_a_bad_array_document_held_inline() -> None:
     root = ins.open(url).checkout(info.id).index.root
     bad = NodeTree(metadata='{"zarr_format": 3, "node_type": "array", "shape": "huge"}', chunks=root.inline["w"].chunks)
     new_root = RootTree(nodes=root.nodes, inline={**root.inline, "w": bad})
-    storage = Storage(url)
+    storage = open_storage(url)
     storage.write(f"trees/{new_root.id[:2]}/{new_root.id[2:]}", new_root.to_bytes())
     snap = Snapshot(root=new_root.id, parent=info.id, time=info.time)
     storage.write(f"snapshots/{snap.id}", snap.to_bytes())

@@ -5,18 +5,66 @@ content-addressed file (idempotent, so a plain overwrite is safe), create a file
 exclusively (the commit point), list a prefix with sizes, and delete (gc). Keeping
 the surface this small is what lets every backend give the same guarantees.
 
-``Storage(url)`` picks the backend from the URL: :class:`LocalStorage` for paths and
+:func:`open_storage` picks the backend from the URL: :class:`LocalStorage` for paths and
 ``file://``, :class:`MemoryStorage` for ``memory://``, :class:`ObjectStorage` for
 ``s3://`` and ``gs://``; any other scheme is an InvalidInputError naming the supported
-ones (:func:`require_supported`). Missing files raise the built-in
-``FileNotFoundError`` and a lost exclusive create ``FileExistsError`` on every backend;
-any other backend failure (credentials, network, permissions) is a
-:class:`~inshrink_store.errors.StorageError` naming the operation, the path and the cause.
+ones (:func:`require_supported`). Every backend is a :class:`Storage` (a protocol, with
+capability flags that say what the backend guarantees) built on :class:`FsspecStorage`.
+Missing files raise the built-in ``FileNotFoundError`` and a lost exclusive create
+``FileExistsError`` on every backend; any other backend failure (credentials, network,
+permissions) is a :class:`~inshrink_store.errors.StorageError` naming the operation, the
+path and the cause.
+
+The factory lives here, above the backends, so that ``base`` (the protocol and the shared
+implementation) imports none of them: the package has no import cycle.
 """
 
-from inshrink_store.storage.base import SUPPORTED_PROTOCOLS, Storage, require_supported
+from __future__ import annotations
+
+from typing import Any
+
+from inshrink_store.errors import InvalidInputError
+from inshrink_store.storage.base import (
+    SUPPORTED_PROTOCOLS,
+    FsspecStorage,
+    Storage,
+    protocol_of,
+    require_supported,
+)
 from inshrink_store.storage.local import LocalStorage
 from inshrink_store.storage.memory import MemoryStorage
 from inshrink_store.storage.remote import ObjectStorage
 
-__all__ = ["SUPPORTED_PROTOCOLS", "LocalStorage", "MemoryStorage", "ObjectStorage", "Storage", "require_supported"]
+__all__ = [
+    "SUPPORTED_PROTOCOLS",
+    "FsspecStorage",
+    "LocalStorage",
+    "MemoryStorage",
+    "ObjectStorage",
+    "Storage",
+    "open_storage",
+    "require_supported",
+]
+
+
+def backend_for(url: str) -> type[FsspecStorage]:
+    """The backend class :func:`open_storage` builds for ``url`` (a path or ``file://``: the
+    local disk; ``memory://``: this process's memory; any other scheme: an object store,
+    which refuses a scheme it does not support when it is built)."""
+    protocol = protocol_of(url)
+    if protocol in ("file", "local"):
+        return LocalStorage
+    if protocol == "memory":
+        return MemoryStorage
+    return ObjectStorage
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The storage of the store at ``url`` (a path, ``file://``, ``memory://``, ``s3://``,
+    ``gs://``), its backend picked by the URL's scheme; ``storage_options`` go to fsspec
+    (credentials, an endpoint). Connects to nothing: the first request is the first
+    operation. Raises :class:`~inshrink_store.errors.InvalidInputError` for an empty URL or
+    an unsupported scheme."""
+    if not isinstance(url, str) or not url:
+        raise InvalidInputError(f"Expected a store URL or path. Got {url!r} instead.")
+    return backend_for(url)(url, storage_options)

@@ -1,11 +1,17 @@
-"""The Storage protocol and what every backend shares (fsspec underneath, rooted paths)."""
+"""The :class:`Storage` protocol, and :class:`FsspecStorage`: what every backend shares
+(fsspec underneath, rooted paths).
+
+This module knows no backend: the backends (``local``, ``memory``, ``remote``) subclass
+:class:`FsspecStorage` here, and :func:`inshrink_store.storage.open_storage` picks one for a
+URL, so nothing in the storage package imports what imports it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import posixpath
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import fsspec
 
@@ -63,27 +69,118 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.Abstr
     return fs, root.rstrip("/")
 
 
-class Storage:
-    """A filesystem rooted at the store's URL; every path argument is relative to the root.
+@runtime_checkable
+class Storage(Protocol):
+    """A filesystem rooted at a store's URL: the few operations the store needs, every path
+    relative to the root. :func:`~inshrink_store.storage.open_storage` returns one for a URL.
 
-    Calling ``Storage(url, storage_options)`` returns the backend for that URL (see the
-    package docstring); subclasses implement ``write`` and ``create_exclusive``.
+    Missing files raise the built-in ``FileNotFoundError`` and a lost exclusive create
+    ``FileExistsError``; any other backend failure is a
+    :class:`~inshrink_store.errors.StorageError` naming the operation, the path and the cause.
+
+    The capability flags say what a backend guarantees, so callers ask them instead of the
+    backend's type:
+
+    ``supports_rename``
+        The backend moves a file into place atomically (``os.replace``/``os.link`` on a local
+        disk), so its writes go through a temp file (``*.tmp-<uuid>``) and a rename. Why it
+        matters: only there can a crash leave temp files behind (:meth:`temp_files`, which gc
+        sweeps), and only there may code rely on a rename. Where False, a write is one atomic
+        put (an object store's whole-object PUT, a ``memory://`` dict entry) and there is no
+        atomic rename (fsspec's ``mv`` there is a copy, then a delete).
+    ``atomic_create``
+        :meth:`create_exclusive` is decided atomically by the backend (a hard link, a lock, a
+        conditional put that the server decides): of two racing writers exactly one wins,
+        and the loser gets ``FileExistsError``. Why it matters: every commit point (a ref,
+        a fence, a lease, the store's settings) is one exclusive create; without this two
+        writers could both believe they committed. A store is only opened on a backend
+        that has it (:data:`SUPPORTED_PROTOCOLS`).
+    ``listing_consistent``
+        :meth:`list` shows every file whose write returned before it, whoever wrote it
+        (no listing cache; S3 and GCS list strongly consistently). Why it matters: branch
+        heads, tags, leases and fences are found by listing; a stale listing would hide
+        another writer's commit (a stale head, a missed conflict) or a lease gc must
+        respect.
+
+    ``is_local`` says something else: the store is a path on this machine's disk
+    (``root`` is a local path, and writes pay a fsync rather than a request).
     """
 
-    is_local = False
+    url: str
+    storage_options: dict[str, Any]
+    #: the fsspec filesystem underneath, and the store's root in it
+    fs: fsspec.AbstractFileSystem
+    root: str
+    protocol: str
+    is_local: bool
+    supports_rename: bool
+    atomic_create: bool
+    listing_consistent: bool
 
-    def __new__(cls, url: str, storage_options: dict[str, Any] | None = None) -> Storage:
-        if cls is Storage:
-            from inshrink_store.storage.local import LocalStorage
-            from inshrink_store.storage.memory import MemoryStorage
-            from inshrink_store.storage.remote import ObjectStorage
+    def _full(self, path: str) -> str:
+        """The path of ``path`` in :attr:`fs` (for a caller that opens a file handle there)."""
+        ...
 
-            protocol = protocol_of(url) if isinstance(url, str) else ""
-            backend: type[Storage] = (
-                LocalStorage if protocol in ("file", "local") else MemoryStorage if protocol == "memory" else ObjectStorage
-            )
-            return super().__new__(backend)
-        return super().__new__(cls)
+    def read(self, path: str) -> bytes:
+        """Whole file; ``FileNotFoundError`` if absent."""
+        ...
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of a file (fewer if it is shorter); one ranged request."""
+        ...
+
+    def size(self, path: str) -> int:
+        """Bytes of the file ``path``; ``FileNotFoundError`` if absent."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether the file ``path`` exists (callers ask about files only)."""
+        ...
+
+    def exists_durably(self, path: str) -> bool:
+        """Whether ``path`` exists, and if so that it stays after a crash (a dedup check)."""
+        ...
+
+    def write(self, path: str, data: bytes) -> None:
+        """Write or overwrite (atomically: a reader sees the old or the new file)."""
+        ...
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Create ``path`` only if it does not exist yet: the single atomic step of a commit;
+        ``FileExistsError`` when another writer created it first."""
+        ...
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """All files under ``prefix`` (recursive) as relative path -> size, sorted by path."""
+        ...
+
+    def temp_files(self) -> dict[str, tuple[int, float | None]]:
+        """Temp files a crashed write left behind: path -> (size, mtime)."""
+        ...
+
+    def delete(self, path: str) -> None:
+        """Remove a file; a missing one is fine."""
+        ...
+
+    def require_bucket(self) -> None:
+        """Raise :class:`NotFoundError` when the bucket the store's URL names does not exist."""
+        ...
+
+    def require_exists(self, marker: str) -> None:
+        """Raise :class:`NotFoundError` naming the store when ``marker`` is missing."""
+        ...
+
+
+class FsspecStorage:
+    """:class:`Storage` over an fsspec filesystem rooted at the store's URL: what every backend
+    shares. Subclasses implement ``write`` and ``create_exclusive`` and set the capability
+    flags (see :class:`Storage`); build one through
+    :func:`~inshrink_store.storage.open_storage`, which picks the subclass for a URL."""
+
+    is_local: bool = False
+    supports_rename: bool = False
+    atomic_create: bool = False
+    listing_consistent: bool = False
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         if not isinstance(url, str) or not url:
@@ -95,9 +192,6 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-    def __getnewargs__(self) -> tuple[str, dict[str, Any]]:  # pickling for process pools
-        return self.url, self.storage_options
 
     def _full(self, path: str) -> str:
         return posixpath.join(self.root, path) if path else self.root
@@ -161,8 +255,12 @@ class Storage:
         return {rel: size for rel, (size, _mtime) in self._find(prefix).items() if not is_temp(rel)}
 
     def temp_files(self) -> dict[str, tuple[int, float | None]]:
-        """Temp files a crashed local write left behind: path -> (size, mtime)."""
-        return {}
+        """Temp files a crashed write left behind: path -> (size, mtime). Only a backend
+        whose writes go through a rename (``supports_rename``) makes temp files; on any other
+        a write is one atomic put, so there are none to look for (and no listing is spent)."""
+        if not self.supports_rename:
+            return {}
+        return {rel: info for rel, info in self._find("").items() if is_temp(rel)}
 
     def _find(self, prefix: str) -> dict[str, tuple[int, float | None]]:
         full = self._full(prefix)

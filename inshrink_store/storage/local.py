@@ -8,16 +8,24 @@ import threading
 from typing import Any
 
 from inshrink_store.errors import IntegrityError
-from inshrink_store.layout import is_temp
 from inshrink_store.storage.atomic import atomic_write, fsync_directory
-from inshrink_store.storage.base import Storage
+from inshrink_store.storage.base import FsspecStorage
 
 
-class LocalStorage(Storage):
+class LocalStorage(FsspecStorage):
     """Atomic writes through a temp file (see ``atomic.py``); never through a symlink that
-    leads out of the store."""
+    leads out of the store.
+
+    Capabilities (see :class:`~inshrink_store.storage.base.Storage`): a rename
+    (``os.replace``) puts every write in place, so a crash can leave temp files (gc sweeps
+    them); an exclusive create is an ``os.link`` the filesystem decides (on a filesystem
+    without hard links ``O_EXCL`` still decides the race, see ``atomic.py``); a listing
+    reads the folders themselves, so it shows every write that returned."""
 
     is_local = True
+    supports_rename = True
+    atomic_create = True
+    listing_consistent = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)
@@ -193,9 +201,6 @@ class LocalStorage(Storage):
     def create_exclusive(self, path: str, data: bytes) -> None:
         """``os.link`` of a fsynced temp file: fails atomically if the name exists."""
         self._write(path, data, exclusive=True)
-
-    def temp_files(self) -> dict[str, tuple[int, float | None]]:
-        return {rel: info for rel, info in self._find("").items() if is_temp(rel)}
 
     @property
     def directory(self) -> str:

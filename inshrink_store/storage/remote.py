@@ -12,15 +12,26 @@ import inspect
 from typing import Any
 
 from inshrink_store.errors import NotFoundError, StorageError
-from inshrink_store.storage.base import Storage, protocol_of
+from inshrink_store.storage.base import FsspecStorage, protocol_of
 
 _BUCKETED = frozenset({"s3", "s3a", "gs", "gcs"})
 
 
-class ObjectStorage(Storage):
+class ObjectStorage(FsspecStorage):
     """Every operation is as few requests as the backend allows: on an object store a
     request costs tens of milliseconds, and a lazy read of one tensor should cost a
-    handful of them (the request table in docs/benchmarks.md)."""
+    handful of them (the request table in docs/benchmarks.md).
+
+    Capabilities (see :class:`~inshrink_store.storage.base.Storage`): no rename (a "move"
+    is a copy and a delete), but a whole-object PUT is atomic, so no write needs one; an
+    exclusive create is a conditional put the server decides (the only protocols a store
+    opens here, :data:`~inshrink_store.storage.base.SUPPORTED_PROTOCOLS`, have one); S3
+    and GCS list strongly consistently, and fsspec's listing cache is off (see the module
+    docstring)."""
+
+    supports_rename = False
+    atomic_create = True
+    listing_consistent = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)

@@ -97,7 +97,7 @@ from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import check_name
 from inshrink_store.repository import GC_WAIT, Repository
 from inshrink_store.session import WriteSession
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 from inshrink_store.storage.base import protocol_of
 from inshrink_store.torch import dcp_quant
 from inshrink_store.torch.dcp_comm import gather_json
@@ -408,7 +408,7 @@ class InshrinkStorageWriter(StorageWriter):
         """This writer's object store (its own cache; objects are shared by content anyway)."""
         if self._objects is None:
             repo = self._open()
-            self._objects = ObjectStore(Storage(self.url, self.storage_options or None),
+            self._objects = ObjectStore(open_storage(self.url, self.storage_options or None),
                                         keyframe_interval=repo.keyframe_interval)
         return self._objects
 

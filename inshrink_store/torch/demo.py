@@ -30,7 +30,7 @@ import inshrink_store as ins
 from inshrink_store import layout
 from inshrink_store.errors import FormatError, MissingDependencyError
 from inshrink_store.policy import QuantizationRecord, SearchPolicy
-from inshrink_store.storage import Storage
+from inshrink_store.storage import Storage, open_storage
 from inshrink_store.torch.checkpointer import Checkpointer
 from inshrink_store.torch.tensors import load_state, torch
 
@@ -159,7 +159,7 @@ _REFUSAL = "Expected a new path, an empty directory or a previous demo store for
 def write_demo_marker(repo: Any) -> None:
     """Mark ``repo`` as a demo store, recording the names in it that are the demo's: a later
     demo at the same path may replace those, and refuses when anything else is there."""
-    Storage(repo.url).write(DEMO_MARKER, (json.dumps(_MARKER_DOC, indent=2) + "\n").encode())
+    open_storage(repo.url).write(DEMO_MARKER, (json.dumps(_MARKER_DOC, indent=2) + "\n").encode())
 
 
 def demo_owned_names(storage: Storage) -> frozenset[str] | None:
@@ -216,7 +216,7 @@ def prepare_demo_store(url: str) -> None:
     a previous demo store loses the names its marker records, and anything else raises
     :class:`FormatError` naming what is in the way (and deletes nothing): the demo may only
     remove what it made."""
-    storage = Storage(url)
+    storage = open_storage(url)
     fs, root = storage.fs, storage.root
     if not fs.exists(root):
         return

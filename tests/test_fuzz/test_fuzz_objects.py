@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from inshrink_store import cas
 from inshrink_store.codecs import _payload
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 from tests.test_fuzz._hostile import FAST, INTERESTING_INTS, SLOW, bounded, mutate_bytes
 
-_STORAGE = Storage(f"memory://fuzz-objects-{uuid.uuid4().hex}")
+_STORAGE = open_storage(f"memory://fuzz-objects-{uuid.uuid4().hex}")
 
 
 def _quantized(seed: int, changed: int = 0) -> bytes:

@@ -19,7 +19,7 @@ import inshrink_store as ins
 from inshrink_store import cas, manifest
 from inshrink_store.manifest import ZSTD_MAGIC, canonical_json, content_id, pack_tree
 from inshrink_store.policy import QuantConfig
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 from inshrink_store.zarr_store import tree_path
 from tests.test_fuzz._hostile import FAST, SLOW, bounded, mutate, mutate_bytes
 
@@ -136,7 +136,7 @@ def _hostile_files(data: st.DataObject) -> tuple[dict[str, bytes], str]:
 def _read_hostile(data: st.DataObject) -> None:
     files, ref = _hostile_files(data)
     url = f"memory://fuzz-store-{uuid.uuid4().hex}"
-    storage = Storage(url)
+    storage = open_storage(url)
     for path, raw in files.items():
         storage.write(path, raw)
     if ref != "main":
@@ -172,7 +172,7 @@ def test_hostile_store_long(data: st.DataObject) -> None:
 
 def test_the_unmutated_store_reads() -> None:
     url = f"memory://fuzz-store-{uuid.uuid4().hex}"
-    storage = Storage(url)
+    storage = open_storage(url)
     for path, raw in FILES.items():
         storage.write(path, raw)
     try:

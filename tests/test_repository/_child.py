@@ -47,7 +47,7 @@ def _inject(crash_at: int, how: str) -> None:
                 return real(self, path, data)
             if how == "after":
                 real(self, path, data)
-            elif how == "torn" and self.is_local:
+            elif how == "torn" and self.supports_rename:  # only a rename-based write leaves a temp file
                 full = self._full(path)
                 os.makedirs(os.path.dirname(full), exist_ok=True)
                 Path(f"{full}.tmp-{uuid.uuid4().hex}").write_bytes(data[: len(data) // 2])

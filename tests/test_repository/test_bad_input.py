@@ -254,9 +254,9 @@ def test_quantize_must_be_a_planner(memory_url: str) -> None:
 @pytest.mark.parametrize("content", [b"[1, 2]", b"{not json", b"\xff\xfe", b'{"format": 1, "keyframe_interval": "x"}', b"[" * 5000])
 def test_a_corrupt_settings_file_is_a_clear_error(memory_url: str, content: bytes) -> None:
     ins.open(memory_url, create=True)
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
-    Storage(memory_url).write("inshrink.json", content)
+    open_storage(memory_url).write("inshrink.json", content)
     with pytest.raises(ins.IntegrityError, match="inshrink.json"):
         ins.open(memory_url)
 

@@ -20,7 +20,7 @@ import pytest
 
 import inshrink_store as ins
 from inshrink_store import leases
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 from tests.test_repository._child import state
 
 CHILD = Path(__file__).with_name("_child.py")
@@ -59,7 +59,7 @@ def _check_after_crash(url: str, committed: list[str]) -> None:
     repo.gc(stale_after=0)  # stale_after=0: also the crash's young temp files
     assert repo.verify().ok
     assert (repo.log() if log else []) == log
-    live = {"inshrink.json"} | set(Storage(url).list(""))
+    live = {"inshrink.json"} | set(open_storage(url).list(""))
     assert _files(url) == live, "gc left temp files or the listing hides files"
     assert not any(repo.gc(dry_run=True).deleted.values())
     # the store keeps working: the next commit continues the history
@@ -72,7 +72,7 @@ def _total_writes(url: str) -> int:
     ins.init(url)
     code, committed = _run_child(url, 10_000, "before")
     assert code == 0 and len(committed) == 3
-    return sum(1 for _ in Storage(url).list(""))  # every write creates one file (no overwrites)
+    return sum(1 for _ in open_storage(url).list(""))  # every write creates one file (no overwrites)
 
 
 def _crash_once(tmp_path: Path, name: str, crash_at: int, how: str) -> None:

@@ -225,8 +225,8 @@ def test_a_killed_gc_on_this_machine_blocks_no_commit(memory_url: str, local_url
     repo = ins.open(local_url, create=True)
     head = repo.save(_state(0)).id
     code = (
-        "import sys, time; from inshrink_store import leases; from inshrink_store.storage import Storage\n"
-        "held, _ = leases.acquire_gc(Storage(sys.argv[1])); print(held.path, flush=True); time.sleep(600)\n"
+        "import sys, time; from inshrink_store import leases; from inshrink_store.storage import open_storage\n"
+        "held, _ = leases.acquire_gc(open_storage(sys.argv[1])); print(held.path, flush=True); time.sleep(600)\n"
     )
     # the child sleeps far longer than the test can take (it is killed): alive while refused
     child = subprocess.Popen([sys.executable, "-c", code, local_url], stdout=subprocess.PIPE, text=True)

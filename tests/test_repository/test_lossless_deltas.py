@@ -21,7 +21,7 @@ from inshrink_store import cas
 from inshrink_store.errors import IntegrityError
 from inshrink_store.layout import object_path
 from inshrink_store.policy import QuantConfig
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 
 
 def _url() -> str:
@@ -101,7 +101,7 @@ def test_a_damaged_base_is_an_error_naming_the_chain() -> None:
     states = _training_like(2, shape=(80, 60))  # above the size that is always whole
     first, second = (repo.save({"model/w": w}) for w in states)
     base = next(iter(repo.checkout(first.id).arrays()["model/w"].chunk_ids.values()))
-    storage = Storage(repo.url)
+    storage = open_storage(repo.url)
     stored = bytearray(storage.read(object_path(base)))
     stored[-1] ^= 0x01
     storage.write(object_path(base), bytes(stored))
@@ -124,7 +124,7 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
     base = rng.integers(0, 256, n * itemsize, dtype=np.uint8)
     payload = base.copy()
     payload[rng.integers(0, payload.size, flips)] ^= rng.integers(1, 256, flips, dtype=np.uint8)
-    objects = cas.ObjectStore(Storage(_url()))
+    objects = cas.ObjectStore(open_storage(_url()))
     base_id = objects.put(base.tobytes(), element=element).oid
     with pytest.MonkeyPatch.context() as patch:  # small payloads are tried as deltas too here
         patch.setattr(cas, "FLOAT_DELTA_MIN", 0)
@@ -151,7 +151,7 @@ def test_small_chunks_are_stored_whole_without_reading_their_base() -> None:
     below = cas.FLOAT_DELTA_MIN // 4 - 1
     for n, expect_delta in ((below, False), (cas.FLOAT_DELTA_MIN // 4, True)):
         w = _training_like(2, shape=(n,))
-        objects = cas.ObjectStore(Storage(_url()))
+        objects = cas.ObjectStore(open_storage(_url()))
         base_id = objects.put(w[0].tobytes(), element="float32").oid
         reads: list[str] = []
         storage = objects.storage
@@ -166,7 +166,7 @@ def test_small_chunks_are_stored_whole_without_reading_their_base() -> None:
 
 
 def test_a_payload_that_is_not_whole_elements_is_refused() -> None:
-    objects = cas.ObjectStore(Storage(_url()))
+    objects = cas.ObjectStore(open_storage(_url()))
     with pytest.raises(ins.errors.FormatError, match="whole float32 elements"):
         objects.put(b"\x00" * 6, element="float32")
     with pytest.raises(ins.errors.FormatError, match="float element type"):
@@ -178,7 +178,7 @@ def test_a_tensor_changed_while_it_is_saved_is_refused_not_stored(monkeypatch: p
     coding would make an object whose id does not match it. The put refuses instead."""
     from inshrink_store.codecs import bytegroup
 
-    objects = cas.ObjectStore(Storage(_url()))
+    objects = cas.ObjectStore(open_storage(_url()))
     data = np.arange(64, dtype=np.float32)
     real = bytegroup.encode_chunk
 

@@ -299,7 +299,7 @@ def test_a_float_chunk_is_never_stored_larger_than_its_raw_bits(sample) -> None:
     """Coder 3's plane headers outweigh what it saves on a few elements (a 4-byte step
     counter took 72 bytes coded): such a keyframe is stored raw, header included at most
     40 bytes over the values themselves, and reads back bit for bit."""
-    objects = cas.ObjectStore(ins.storage.Storage("memory://raw-floats-" + str(sample.array.nbytes)))
+    objects = cas.ObjectStore(ins.storage.open_storage("memory://raw-floats-" + str(sample.array.nbytes)))
     payload = np.ascontiguousarray(sample.array).tobytes()
     put = objects.put(payload, element=sample.dtype)
     assert objects.stored_size(put.oid) <= cas.HEADER_SIZE + len(payload)
@@ -307,7 +307,7 @@ def test_a_float_chunk_is_never_stored_larger_than_its_raw_bits(sample) -> None:
 
 
 def test_a_step_counter_is_stored_raw() -> None:
-    objects = cas.ObjectStore(ins.storage.Storage("memory://raw-step-counter"))
+    objects = cas.ObjectStore(ins.storage.open_storage("memory://raw-step-counter"))
     put = objects.put(np.float32(417).tobytes(), element="float32")
     assert objects.header(put.oid).coder == cas.CODER_NONE
     assert objects.stored_size(put.oid) == cas.HEADER_SIZE + 4

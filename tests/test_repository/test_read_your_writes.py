@@ -148,9 +148,9 @@ def test_a_tensor_changed_under_the_coder_is_the_callers_error_not_a_write_check
     call), never reported as a bug in the library, in the strict mode too."""
     from inshrink_store.codecs import bytegroup
     from inshrink_store.errors import InvalidInputError
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
-    objects = cas.ObjectStore(Storage(memory_url))
+    objects = cas.ObjectStore(open_storage(memory_url))
     data = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
     real = bytegroup.encode_chunk
 

@@ -32,7 +32,7 @@ from inshrink_store.layout import branch_ref_path, object_path, residual_path, s
 from inshrink_store.manifest import Snapshot, canonical_json, content_id, utc_now
 from inshrink_store.policy import QuantConfig
 from inshrink_store.residual import load as load_residual
-from inshrink_store.storage import LocalStorage, MemoryStorage, ObjectStorage, Storage
+from inshrink_store.storage import LocalStorage, MemoryStorage, ObjectStorage, Storage, open_storage
 from tests.test_repository._child import state
 
 QC = QuantConfig(bins=4, min_numel=16)
@@ -787,7 +787,7 @@ def _crash_child_once(tmp_path: Path, crash_at: int, how: str, keep: int) -> Non
     code, committed = _run_child(url, crash_at, how, keep)
     assert code == 9, f"the child was meant to die at write {crash_at}"
     _check_residuals_after_crash(url, committed, keep)
-    assert _files(url) == {"inshrink.json"} | set(Storage(url).list("")), "gc left temp files behind"
+    assert _files(url) == {"inshrink.json"} | set(open_storage(url).list("")), "gc left temp files behind"
 
 
 def test_a_process_killed_at_a_residual_write_leaves_a_usable_store(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 import inshrink_store as ins
 from inshrink_store.errors import IntegrityError
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 
 OID = "ab" + "0" * 30
 OTHER = "ab" + "1" * 30
@@ -37,7 +37,7 @@ def _files(folder: Path) -> set[Path]:
 
 @pytest.mark.parametrize("swapped", ["objects/ab", "objects"])
 def test_a_folder_swapped_for_an_outward_link_after_a_write_is_refused(tmp_path: Path, swapped: str) -> None:
-    storage = Storage(str(tmp_path / "store"))
+    storage = open_storage(str(tmp_path / "store"))
     storage.write(f"objects/{OID[:2]}/{OID[2:]}", b"first")  # the handle has now seen objects/ab
     outside = tmp_path / "outside"
     before = _swap_for_link(tmp_path / "store" / swapped, outside)
@@ -60,7 +60,7 @@ def test_a_save_after_the_snapshots_folder_is_swapped_for_a_link_writes_nothing_
 
 def test_a_link_that_stays_inside_the_store_is_still_written_through(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    storage = Storage(str(root))
+    storage = open_storage(str(root))
     storage.write(f"objects/{OID[:2]}/{OID[2:]}", b"first")
     (root / "elsewhere").mkdir()
     os.symlink(root / "elsewhere", root / "objects" / "cd")

@@ -10,7 +10,7 @@ import pytest
 
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import NotFoundError
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 
 
 def _never(*_args: object, **_kwargs: object) -> None:
@@ -18,7 +18,7 @@ def _never(*_args: object, **_kwargs: object) -> None:
 
 
 def test_exists_and_size_are_dict_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
-    storage = Storage(f"memory://lookups-{uuid.uuid4().hex}")
+    storage = open_storage(f"memory://lookups-{uuid.uuid4().hex}")
     storage.write("objects/ab/cdef", b"12345")
     monkeypatch.setattr(storage.fs, "info", _never)
     assert storage.exists("objects/ab/cdef")
@@ -33,7 +33,7 @@ def test_exists_and_size_are_dict_lookups(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_an_object_missing_from_memory_is_named() -> None:
-    objects = ObjectStore(Storage(f"memory://lookups-{uuid.uuid4().hex}"))
+    objects = ObjectStore(open_storage(f"memory://lookups-{uuid.uuid4().hex}"))
     put = objects.put(b"payload")
     assert objects.stored_size(put.oid) > 0
     with pytest.raises(NotFoundError, match="0" * 32):
@@ -41,14 +41,14 @@ def test_an_object_missing_from_memory_is_named() -> None:
 
 
 def test_two_stores_in_memory_do_not_see_each_others_files() -> None:
-    a, b = Storage(f"memory://a-{uuid.uuid4().hex}"), Storage(f"memory://b-{uuid.uuid4().hex}")
+    a, b = open_storage(f"memory://a-{uuid.uuid4().hex}"), open_storage(f"memory://b-{uuid.uuid4().hex}")
     a.write("inshrink.json", b"{}")
     assert a.exists("inshrink.json") and not b.exists("inshrink.json")
 
 
 @pytest.mark.parametrize("root", ["memory://nested-{}/deeper/store", "memory://trailing-{}/", "memory:///slash-{}"])
 def test_lookups_agree_with_reads_whatever_the_root(root: str) -> None:
-    storage = Storage(root.format(uuid.uuid4().hex))
+    storage = open_storage(root.format(uuid.uuid4().hex))
     storage.write("trees/ab/cd", b"xyz")
     assert storage.exists("trees/ab/cd") and storage.read("trees/ab/cd") == b"xyz"
     assert storage.size("trees/ab/cd") == 3

@@ -12,11 +12,11 @@ import threading
 import pytest
 
 from inshrink_store.errors import FormatError, MissingDependencyError
-from inshrink_store.storage import Storage
+from inshrink_store.storage import open_storage
 
 
 def test_read_write_list_delete(store_url: str) -> None:
-    storage = Storage(store_url)
+    storage = open_storage(store_url)
     with pytest.raises(FileNotFoundError):
         storage.read("objects/ab/missing")
     assert storage.list("objects") == {}
@@ -33,7 +33,7 @@ def test_read_write_list_delete(store_url: str) -> None:
 
 
 def test_exclusive_create_never_overwrites(store_url: str) -> None:
-    storage = Storage(store_url)
+    storage = open_storage(store_url)
     storage.create_exclusive("refs/branches/main/000000000000", b"first")
     with pytest.raises(FileExistsError):
         storage.create_exclusive("refs/branches/main/000000000000", b"second")
@@ -44,7 +44,7 @@ def test_exclusive_create_never_overwrites(store_url: str) -> None:
 def test_a_second_handle_sees_new_files_at_once(store_url: str) -> None:
     """Two handles on one store, as two processes would have: a listing or read in
     one must never be served from a cache that predates the other's write."""
-    one, two = Storage(store_url), Storage(store_url)
+    one, two = open_storage(store_url), open_storage(store_url)
     one.create_exclusive("refs/branches/main/000000000000", b"a")
     assert list(two.list("refs/branches/main")) == ["refs/branches/main/000000000000"]
     one.create_exclusive("refs/branches/main/000000000001", b"b")
@@ -61,7 +61,7 @@ def test_concurrent_exclusive_creates_have_one_winner(store_url: str) -> None:
     barrier = threading.Barrier(4, timeout=30)
 
     def create(data: bytes) -> None:
-        storage = Storage(store_url)
+        storage = open_storage(store_url)
         barrier.wait()
         try:
             storage.create_exclusive("refs/tags/best", data)
@@ -76,11 +76,11 @@ def test_concurrent_exclusive_creates_have_one_winner(store_url: str) -> None:
         t.join()
     winners = [o for o in outcomes if o != "exists"]
     assert len(winners) == 1 and len(outcomes) == 4
-    assert Storage(store_url).read("refs/tags/best") == winners[0].encode()
+    assert open_storage(store_url).read("refs/tags/best") == winners[0].encode()
 
 
 def test_local_leftover_temp_files_are_not_listed(local_url: str) -> None:
-    storage = Storage(local_url)
+    storage = open_storage(local_url)
     storage.create_exclusive("refs/branches/main/000000000000", b"a")
     # what a writer killed between writing its temp file and linking it leaves
     storage.write("refs/branches/main/000000000001.tmp-deadbeef", b"half")
@@ -89,9 +89,9 @@ def test_local_leftover_temp_files_are_not_listed(local_url: str) -> None:
 
 def test_bad_urls_get_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FormatError, match="store URL"):
-        Storage("")
+        open_storage("")
     with pytest.raises(FormatError, match="nosuchproto"):
-        Storage("nosuchproto://bucket/x")
+        open_storage("nosuchproto://bucket/x")
 
     import fsspec.core
 
@@ -100,9 +100,9 @@ def test_bad_urls_get_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(fsspec.core, "url_to_fs", no_backend)
     with pytest.raises(MissingDependencyError, match=r"inshrink-store\[s3\]"):
-        Storage("s3://bucket/store")
+        open_storage("s3://bucket/store")
     with pytest.raises(MissingDependencyError, match=r"inshrink-store\[gcs\]"):
-        Storage("gs://bucket/store")
+        open_storage("gs://bucket/store")
 
 
 def test_local_writes_never_follow_a_symlinked_folder_out_of_the_store(tmp_path) -> None:
@@ -111,7 +111,7 @@ def test_local_writes_never_follow_a_symlinked_folder_out_of_the_store(tmp_path)
     import numpy as np
 
     import inshrink_store as ins
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -125,7 +125,7 @@ def test_local_writes_never_follow_a_symlinked_folder_out_of_the_store(tmp_path)
     assert list(outside.iterdir()) == []
     (outside / "secret").write_bytes(b"top secret")
     with pytest.raises(ins.IntegrityError, match="symlink"):
-        Storage(str(store)).read("snapshots/secret")
+        open_storage(str(store)).read("snapshots/secret")
 
 
 def test_backend_failures_are_one_storage_error_naming_operation_and_path() -> None:
@@ -136,7 +136,7 @@ def test_backend_failures_are_one_storage_error_naming_operation_and_path() -> N
 
     options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "k", "secret": "s",
                "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
-    storage = Storage("s3://bucket/store", options)
+    storage = open_storage("s3://bucket/store", options)
     with pytest.raises(ins.StorageError, match=r"read inshrink.json in 's3://bucket/store'.*EndpointConnectionError") as info:
         storage.read("inshrink.json")
     assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, Exception)
@@ -145,12 +145,12 @@ def test_backend_failures_are_one_storage_error_naming_operation_and_path() -> N
 
 
 def test_each_url_gets_its_backend(tmp_path) -> None:
-    from inshrink_store.storage import LocalStorage, MemoryStorage
+    from inshrink_store.storage import LocalStorage, MemoryStorage, open_storage
 
-    assert type(Storage(str(tmp_path))) is LocalStorage
-    assert type(Storage(f"file://{tmp_path}")) is LocalStorage
-    assert type(Storage("memory://x")) is MemoryStorage
-    local = Storage(str(tmp_path / "s"))
+    assert type(open_storage(str(tmp_path))) is LocalStorage
+    assert type(open_storage(f"file://{tmp_path}")) is LocalStorage
+    assert type(open_storage("memory://x")) is MemoryStorage
+    local = open_storage(str(tmp_path / "s"))
     local.write("a/b", b"0123456789")
     assert local.read_range("a/b", 2, 5) == b"234" and local.size("a/b") == 10
     assert local.list("") == {"a/b": 10} and local.temp_files() == {}
@@ -165,14 +165,14 @@ def test_a_linked_object_folder_is_refused_and_a_linked_root_is_fine(tmp_path) -
     import numpy as np
 
     import inshrink_store as ins
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
     outside = tmp_path / "outside"
     outside.mkdir()
     real = tmp_path / "real"
     (real / "objects").mkdir(parents=True)
     os.symlink(outside, real / "objects" / "ab")
-    storage = Storage(str(real))
+    storage = open_storage(str(real))
     with pytest.raises(ins.IntegrityError, match="symlink"):
         storage.write("objects/ab/cdef", b"x")
     assert list(outside.iterdir()) == []
@@ -194,15 +194,15 @@ def test_relying_on_an_existing_local_file_makes_its_folder_entry_durable(tmp_pa
 
     import inshrink_store as ins
     from inshrink_store.cas import ObjectStore
-    from inshrink_store.storage import Storage, local
+    from inshrink_store.storage import local, open_storage
 
     synced: list[str] = []
     real = local.fsync_directory
     monkeypatch.setattr(local, "fsync_directory", lambda d: (synced.append(d), real(d)))
-    storage = Storage(str(tmp_path / "s"))
+    storage = open_storage(str(tmp_path / "s"))
     storage.write("objects/ab/cd", b"x")
     synced.clear()
-    assert Storage(str(tmp_path / "s")).exists_durably("objects/ab/cd") is True  # another handle
+    assert open_storage(str(tmp_path / "s")).exists_durably("objects/ab/cd") is True  # another handle
     assert synced == [str(tmp_path / "s" / "objects" / "ab")]
     assert storage.exists_durably("objects/ab/ef") is False and len(synced) == 1
 
@@ -225,7 +225,7 @@ def test_new_folders_names_are_made_durable_at_the_next_commit_point_once_per_pa
     ref), which first fsyncs each pending parent once, deepest first: objects/ once for
     twenty new shard folders. Then the new file's own folder chain (a new branch's refs
     folder) is made durable too; a second commit point with nothing new fsyncs no parent."""
-    from inshrink_store.storage import Storage, atomic, local
+    from inshrink_store.storage import atomic, local, open_storage
 
     synced: list[str] = []
     real = atomic.fsync_directory
@@ -237,7 +237,7 @@ def test_new_folders_names_are_made_durable_at_the_next_commit_point_once_per_pa
     monkeypatch.setattr(atomic, "fsync_directory", record)
     monkeypatch.setattr(local, "fsync_directory", record)
     root = tmp_path / "s"
-    storage = Storage(str(root))
+    storage = open_storage(str(root))
     for i in range(20):
         storage.write(f"objects/{i:02x}/{i:030x}", b"x")
     assert synced == [str(root / "objects" / f"{i:02x}") for i in range(20)]  # each file's folder only
@@ -256,11 +256,11 @@ def test_a_path_climbing_out_through_a_missing_folder_is_refused(tmp_path) -> No
     """".." below a folder that does not exist yet cannot climb out of the store: the
     containment check sees the component before it looks at the disk."""
     import inshrink_store as ins
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
     store = tmp_path / "store"
     store.mkdir()
-    storage = Storage(str(store))
+    storage = open_storage(str(store))
     with pytest.raises(ins.IntegrityError):
         storage.write("objects/zz/../../../outside/pwn", b"x")
     assert not (tmp_path / "outside").exists()
@@ -271,9 +271,9 @@ def test_a_local_storage_pickles_for_process_pools_and_the_copy_writes_durably(t
     durable yet (so it fsyncs again), and writes and commits like the original."""
     import pickle
 
-    from inshrink_store.storage import Storage
+    from inshrink_store.storage import open_storage
 
-    original = Storage(str(tmp_path / "s"))
+    original = open_storage(str(tmp_path / "s"))
     original.write("objects/ab/cd", b"x")
     copy = pickle.loads(pickle.dumps(original))
     assert copy.url == original.url and copy.read("objects/ab/cd") == b"x"
