@@ -31,10 +31,11 @@ from inshrink_store.history import History, SnapshotInfo
 from inshrink_store.layout import CONFIG_FILE
 from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit_fields, utc_now
 from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
+from inshrink_store.plans import Planner, Quantize, check_quantize
 from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name
 from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
-from inshrink_store.session import Planner, WriteSession, check_planner, open_session
+from inshrink_store.session import WriteSession, open_session
 from inshrink_store.storage import Storage, open_storage
 from inshrink_store.zarr_store import InshrinkStore
 
@@ -264,7 +265,7 @@ class Repository:
         metadata: Mapping[str, Any] | None = None,
         attributes: Mapping[str, Any] | None = None,
         dtypes: Mapping[str, str] | None = None,
-        quantize: Planner | None = None,
+        quantize: Quantize | None = None,
         parent: str | None = None,
         rebase: bool = False,
         progress: Progress | None = None,
@@ -275,7 +276,9 @@ class Repository:
         """Commit ``tensors`` (array path -> array) as the next version of ``branch``.
 
         ``dtypes`` names logical dtypes the array cannot carry (``"BF16"`` for uint16 bits);
-        ``quantize`` (e.g. a policy ``QuantConfig``) plans lossy storage per tensor.
+        ``quantize`` (e.g. a policy ``QuantConfig``) plans lossy storage per tensor; plans made
+        already (path -> :class:`~inshrink_store.plans.ArrayPlan`, such as a search's
+        ``PlanSet``) are written as they are.
         ``exact_resume`` N > 0 also stores the restore residual of every quantized tensor,
         kept while this version is among the N newest of its branch (then gc collects it):
         ``load_state(..., exact=True)`` and ``Checkpointer.restore`` return the exact bits.
@@ -283,7 +286,7 @@ class Repository:
         gc is waited for up to ``gc_wait`` seconds.
         """
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
-        check_planner(quantize)
+        check_quantize(quantize)
         if residual.META_KEY in metadata:
             raise InvalidInputError(
                 f"Expected metadata without the key {residual.META_KEY!r}: the store names a version's restore "

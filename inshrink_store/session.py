@@ -14,7 +14,7 @@ trees, snapshot, the fence, then the ref; a crash anywhere leaves only garbage.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +29,9 @@ from inshrink_store.layout import snapshot_path, tree_path
 from inshrink_store.manifest import NodeTree, RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parallel import map_in_order
 from inshrink_store.parts import StoreParts
+from inshrink_store.plans import ArrayPlan, Planner, Quantize, check_quantize
 from inshrink_store.residual import META_KEY, ResidualArray, ResidualRef, ResidualWriter
-from inshrink_store.writer import ArrayPlan, previous_codecs, write_arrays
+from inshrink_store.writer import prepare_arrays, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
 Progress = Callable[[str, int, int], None]
@@ -38,25 +39,6 @@ Progress = Callable[[str, int, int], None]
 MAX_REBASES = 8
 #: node trees a commit writes at once (small documents: the requests wait, not the cores)
 TREE_WRITE_THREADS = 8
-
-
-class Planner(Protocol):
-    """What ``save(quantize=...)`` needs; the policy layer implements it (dependency points down)."""
-
-    def plan(
-        self,
-        tensors: Mapping[str, np.ndarray],
-        dtypes: Mapping[str, str],
-        previous: Mapping[str, dict[str, Any]],
-    ) -> Mapping[str, ArrayPlan]: ...
-
-
-def check_planner(quantize: Any) -> None:
-    if quantize is not None and not callable(getattr(quantize, "plan", None)):
-        raise InvalidInputError(
-            f"Expected quantize to be a planner with a plan() method (e.g. "
-            f"inshrink_store.policy.QuantConfig(bins=16)) or None. Got {quantize!r} instead."
-        )
 
 
 class _Recording(Mapping[str, ArrayPlan]):
@@ -96,15 +78,6 @@ def _as_stored(plan: ArrayPlan, name: str) -> np.ndarray:
     return np.asarray(q.decode(q.encode(values.reshape(-1)))).reshape(values.shape)
 
 
-class _RecordingPlanner:
-    def __init__(self, planner: Planner, residual: ResidualWriter) -> None:
-        self._planner, self._residual = planner, residual
-
-    def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
-             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
-        return _Recording(self._planner.plan(tensors, dtypes, previous), tensors, dtypes, self._residual)
-
-
 class WriteSession:
     """One write session: a writable zarr store (``.store``) over the parent's chunks."""
 
@@ -142,23 +115,34 @@ class WriteSession:
         *,
         attributes: Mapping[str, Any] | None = None,
         dtypes: Mapping[str, str] | None = None,
-        quantize: Planner | None = None,
+        quantize: Quantize | None = None,
         progress: Progress | None = None,
         residual: bool = False,
     ) -> None:
         """Write tensors (array path -> array) into this version; objects are stored now.
 
-        ``residual``: also store what turns every quantized tensor back into its exact bits
-        (the restore residual; :meth:`commit` names it in the version's metadata)."""
+        ``quantize``: plans (path -> :class:`~inshrink_store.plans.ArrayPlan`, e.g. a search's
+        ``PlanSet``) for the tensors stored lossy, or a planner (e.g. a policy ``QuantConfig``)
+        that :meth:`plan` asks for them. ``residual``: also store what turns every quantized
+        tensor back into its exact bits (the restore residual; :meth:`commit` names it in the
+        version's metadata)."""
         self._require_open()
-        check_planner(quantize)
-        previous = previous_codecs(self.parent_view) if quantize is not None else {}
-        if residual and quantize is not None:
+        check_quantize(quantize)
+        arrays, names = prepare_arrays(tensors, dtypes)
+        plans = quantize if quantize is None or isinstance(quantize, Mapping) else self.plan(quantize, arrays, names)
+        if residual and plans:
             if self.residual is None:
                 self.residual = ResidualWriter(self._parts.objects)
-            quantize = _RecordingPlanner(quantize, self.residual)
-        write_arrays(self.store, tensors, attributes=attributes, dtypes=dtypes,
-                     planner=quantize, previous=previous, progress=progress)
+            plans = _Recording(plans, arrays, names, self.residual)
+        write_arrays(self.store, arrays, attributes=attributes, dtypes=names, plans=plans, progress=progress)
+
+    def plan(self, planner: Planner, tensors: Mapping[str, np.ndarray],
+             dtypes: Mapping[str, str] | None = None) -> Mapping[str, ArrayPlan]:
+        """``planner``'s plans for ``tensors`` in this session: it is handed the tensors and
+        dtype names as the writer takes them, and the parent version's codebooks (read once,
+        here; a caller that planned already passes its plans to :meth:`write` instead)."""
+        arrays, names = prepare_arrays(tensors, dtypes)
+        return planner.plan(arrays, names, previous_codecs(self.parent_view))
 
     def commit(
         self,

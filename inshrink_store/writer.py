@@ -28,7 +28,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -50,6 +49,7 @@ from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.index import ATTR, METADATA_KEY, SnapshotIndex
 from inshrink_store.parallel import map_in_order
+from inshrink_store.plans import ArrayPlan, ObjectCoder
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
 CHUNK_BYTES = 4 << 20  # see docs/understanding/chunking.md
@@ -203,8 +203,6 @@ LOCAL_SPARE_PUTS = 2
 
 #: encodes one chunk, given its elements' C-order bytes, to the bytes zarr's pipeline would store
 ChunkEncoder = Callable[[np.ndarray], bytes | memoryview]
-#: a closed-loop plan's coding of one chunk: (chunk coordinates, chunk shape) -> its coding
-ObjectCoder = Callable[[tuple[int, ...], tuple[int, ...]], "ClosedLoopCoding"]
 
 
 def _direct_codec(store: Any, data: np.ndarray, codecs: Mapping[str, Any],
@@ -389,46 +387,30 @@ def chunk_bytes(data: np.ndarray, chunk_shape: tuple[int, ...], coords: tuple[in
     return np.ascontiguousarray(part).reshape(-1).view(np.uint8)
 
 
-@dataclass(frozen=True)
-class ArrayPlan:
-    """How a planner wants one tensor stored: the values to write and the zarr serializer.
-
-    ``pruned``: where this version's weight update was dropped (a closed-loop residual's
-    pruned elements keep the parent's value, so ``values == 0`` no longer says it); None when
-    the plan does not know, and a reader then takes ``values == 0`` (a pruned weight).
-    ``object_coder``: for arrays whose chunks the object store codes from a planner's own
-    encoding (closed-loop residuals, :mod:`inshrink_store.closed_loop`): chunk coordinates ->
-    (object kind, coder, body); None for everything else."""
-
-    values: np.ndarray
-    serializer: Any
-    attributes: Mapping[str, Any] = field(default_factory=dict)
-    pruned: np.ndarray | None = None
-    object_coder: ObjectCoder | None = None
-
-
 def write_arrays(
     store: InshrinkStore,
     tensors: Mapping[str, np.ndarray],
     *,
     attributes: Mapping[str, Any] | None = None,
     dtypes: Mapping[str, str] | None = None,
-    planner: Any = None,
-    previous: Mapping[str, dict[str, Any]] | None = None,
+    plans: Mapping[str, ArrayPlan] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     chunking: Chunking | None = None,
     threads: int | None = None,
 ) -> None:
     """Write every tensor as an array of ``store``; nothing is committed here.
 
-    ``chunking(shape, itemsize)`` picks chunk shapes (:func:`default_chunks` by default)."""
+    ``plans`` (path -> :class:`ArrayPlan`, made beforehand) says which tensors are stored lossy
+    and how; every other tensor is stored lossless. ``chunking(shape, itemsize)`` picks chunk
+    shapes (:func:`default_chunks` by default)."""
     chunking = chunking or default_chunks
-    declared = dict(dtypes or {})
-    arrays = {check_path(p): np.asarray(a) for p, a in tensors.items()}
-    names = {p: dtype_name(a, declared.get(p), p) for p, a in arrays.items()}
-    check_no_nesting(arrays)
+    arrays, names = prepare_arrays(tensors, dtypes)
     zarr.open_group(store=store, mode="a").attrs.update(dict(attributes or {}))
-    plans: Mapping[str, ArrayPlan] = planner.plan(arrays, names, previous or {}) if planner else {}
+    plans = plans or {}
+    unknown = sorted(set(plans) - set(arrays))
+    if unknown:
+        raise FormatError(f"Expected a plan only for tensors being written. Got plans for {unknown[:5]} too, "
+                          "which are not among them; nothing was written.")
     order = sorted(arrays)
     workers = threads or write_threads()
     done = 0
@@ -492,6 +474,18 @@ def write_arrays(
                 failures.setdefault(path, exc)
     if failures:
         raise failures[min(failures)]
+
+
+def prepare_arrays(tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str] | None = None
+                   ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``tensors`` as the writer takes them (checked paths -> arrays, no array nested under
+    another) and each one's logical dtype name (``dtypes`` names those an array cannot carry):
+    what a planner is handed, so it sees exactly what is written."""
+    declared = dict(dtypes or {})
+    arrays = {check_path(p): np.asarray(a) for p, a in tensors.items()}
+    names = {p: dtype_name(a, declared.get(p), p) for p, a in arrays.items()}
+    check_no_nesting(arrays)
+    return arrays, names
 
 
 def lossless_digest(array: np.ndarray, dtype: str, codecs: Mapping[str, Any], chunks: tuple[int, ...]) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.config import PROTECTED_DTYPES, QuantConfig
 from inshrink_store.policy.partition import (
     PartitionCache,
@@ -36,7 +37,7 @@ from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.rate_distortion import LADDER, Option, allocate, tensor_options
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
 from inshrink_store.policy.sketch import LogSketch
-from inshrink_store.writer import ArrayPlan, write_threads
+from inshrink_store.writer import write_threads
 
 
 def _positive(v: Any) -> bool:

@@ -39,7 +39,8 @@ from inshrink_store.codecs import closed_loop
 from inshrink_store.codecs.nuq import NUQZarrCodec, quantizer
 from inshrink_store.errors import InshrinkError
 from inshrink_store.index import METADATA_KEY
-from inshrink_store.writer import ArrayPlan, chunk_bytes
+from inshrink_store.plans import ArrayPlan
+from inshrink_store.writer import chunk_bytes
 
 #: ``attributes.inshrink.coding`` of a closed-loop array
 CODING = "closed-loop"
@@ -100,6 +101,7 @@ class ClosedLoop:
                  keyframe_interval: int) -> None:
         #: the tensors stored closed-loop when the search quantizes them (keyframe or residual)
         self.paths = frozenset(paths)
+        self._tensors, self._interval = tensors, keyframe_interval
         #: every closed-loop parent array of the tensors (an unchanged tensor keeps its own,
         #: whatever its chain's depth: nothing is coded)
         self.all_bases = dict(bases)
@@ -111,6 +113,12 @@ class ClosedLoop:
         self.sources = {p: source_digest(np.asarray(tensors[p], _F32)) for p in bases}
         #: tensors whose true bits are their parent's: the parent's reconstruction is kept
         self.unchanged = {p for p, b in bases.items() if b.source is not None and b.source == self.sources[p]}
+
+    def keyframes(self) -> ClosedLoop:
+        """This save with every tensor a keyframe (no residual, no parent's reconstruction
+        kept): what the Checkpointer searches when no residual meets the tolerance, because
+        the parents' reconstructions (a frozen tensor keeps its keyframe's) used it up."""
+        return ClosedLoop(self.paths, {}, self._tensors, self._interval)
 
     def search_arrays(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """What the search quantizes: each residual tensor's ``W - R_{t-1}``, the rest as they are."""
@@ -126,16 +134,12 @@ class ClosedLoop:
 
 
 class ClosedLoopPlans(Mapping[str, ArrayPlan]):
-    """Plans whose float32 quantized tensors become closed-loop arrays (others pass through);
-    also a repository planner that returns itself, like the PlanSet it wraps."""
+    """Plans whose float32 quantized tensors become closed-loop arrays (others pass through),
+    handed to ``repo.save(quantize=...)`` as they are."""
 
     def __init__(self, loop: ClosedLoop, inner: Mapping[str, ArrayPlan], tensors: Mapping[str, np.ndarray]) -> None:
         self._loop, self._inner, self._tensors = loop, inner, tensors
         self.config = getattr(inner, "config", None)
-
-    def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
-             previous: Mapping[str, dict[str, Any]]) -> ClosedLoopPlans:
-        return self
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._inner)

@@ -17,8 +17,8 @@ from typing import Any
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.errors import FormatError
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.planner import StatePlanner
-from inshrink_store.writer import ArrayPlan
 
 BINS = (4, 6, 8, 12, 16, 32)
 EMBEDDING_BINS = (16, 32)

@@ -50,12 +50,13 @@ from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.kmeans import fit_codebook, loss, through_dtype, weighted_kmeans
 from inshrink_store.policy.partition import QuantizedTensor, sum_of_products
 from inshrink_store.policy.planner import array_plan
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.sketch import BLOCK
-from inshrink_store.writer import ArrayPlan, write_threads
+from inshrink_store.writer import write_threads
 
 M_KEY, V_KEY = "exp_avg", "exp_avg_sq"
 #: log2(v) is histogrammed at 1/LOG_RESOLUTION octave before clustering (a few thousand points)

@@ -18,6 +18,7 @@ import numpy as np
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.partition import (
     PartitionCache,
     QuantizedTensor,
@@ -26,7 +27,6 @@ from inshrink_store.policy.partition import (
     layer_type,
 )
 from inshrink_store.policy.settings import QuantSettings
-from inshrink_store.writer import ArrayPlan
 
 
 def eligible(tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str], min_numel: int,

@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from inshrink_store.errors import FormatError
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.ratio import ratio_of
-from inshrink_store.writer import ArrayPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,8 +25,7 @@ class PlanSet(Mapping[str, ArrayPlan]):
     writes them (see :mod:`inshrink_store.policy.ratio`), or None when the plans were made
     without encoding them (a search's candidates, whose ratios are estimated).
 
-    It is also a repository planner that returns itself, so plans made during a search
-    are written as they are: ``repo.save(tensors, quantize=plan_set)``.
+    Plans made during a search are written as they are: ``repo.save(tensors, quantize=plan_set)``.
     """
 
     config: QuantConfig | None
@@ -71,8 +69,3 @@ class PlanSet(Mapping[str, ArrayPlan]):
         """A new PlanSet with ``extra`` plans added (e.g. the optimizer's); the configuration
         and the measurement still describe this set's own scope."""
         return PlanSet(self.config, {**self.plans, **extra}, self.logical_bytes, self.stored_bytes)
-
-    def plan(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str],
-             previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
-        """Repository hook: these plans, as made (the arguments were read when they were)."""
-        return self

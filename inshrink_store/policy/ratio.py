@@ -35,7 +35,8 @@ from inshrink_store import dtypes
 from inshrink_store.cas import ELEMENTS, keyframe_body
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
-from inshrink_store.writer import ArrayPlan, create_array, lossless_codecs
+from inshrink_store.plans import ArrayPlan
+from inshrink_store.writer import create_array, lossless_codecs
 
 
 def lossless_bytes(array: np.ndarray, dtype: str | None = None) -> int:

@@ -22,6 +22,7 @@ from numbers import Real
 from typing import Any, TypedDict
 
 from inshrink_store.errors import FormatError
+from inshrink_store.plans import Planner
 from inshrink_store.policy.allocation import Allocation, AllocationCandidates, AllocationTrial
 from inshrink_store.policy.candidates import KEEP, Candidates
 from inshrink_store.policy.config import DEFAULT_CONFIG, EMBEDDING_BINS, QuantConfig
@@ -29,7 +30,6 @@ from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPo
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
-from inshrink_store.repository import Planner
 
 #: the caller's quality of the model with a candidate's values loaded (None: unquantized)
 Evaluate = Callable[[PlanSet | None], float]

@@ -86,10 +86,11 @@ from inshrink_store.errors import (
     NotFoundError,
 )
 from inshrink_store.history import SnapshotInfo
-from inshrink_store.index import Entry, SnapshotIndex
+from inshrink_store.index import METADATA_KEY, Entry, SnapshotIndex
 from inshrink_store.layout import check_id
 from inshrink_store.manifest import check_commit_fields
 from inshrink_store.parallel import map_in_order
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy import QuantConfig
 from inshrink_store.policy.planner import array_plan
 from inshrink_store.policy.sketch import LogSketch
@@ -118,7 +119,7 @@ from inshrink_store.torch.tensors import (
     tensor_to_array,
     torch,
 )
-from inshrink_store.writer import ArrayPlan, write_arrays
+from inshrink_store.writer import write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def _group_doc(attributes: Mapping[str, Any]) -> bytes:
     """The zarr.json of a group with these attributes, as zarr itself writes it."""
     written: dict[str, Any] = {}
     zarr.create_group(store=MemoryStore(store_dict=written), attributes=dict(attributes))
-    return bytes(written["zarr.json"].to_bytes())
+    return bytes(written[METADATA_KEY].to_bytes())
 
 
 @cache
@@ -255,14 +256,6 @@ class _ShardPlans(Mapping[str, ArrayPlan]):
 
     def __len__(self) -> int:
         return len(self._decisions)
-
-
-class _ShardPlanner:
-    def __init__(self, plans: _ShardPlans) -> None:
-        self.plans = plans
-
-    def plan(self, tensors: Any, dtypes: Any, previous: Any) -> Mapping[str, ArrayPlan]:
-        return self.plans
 
 
 class InshrinkStorageWriter(StorageWriter):
@@ -512,11 +505,11 @@ class _RankWrite:
             arrays[path], dtypes[path] = self._array(item)
             if item.index.fqn in decisions:
                 by_path[path] = decisions[item.index.fqn]
-        planner = None
+        plans = None
         if by_path:
             assert self.setup.quantize is not None
-            planner = _ShardPlanner(_ShardPlans(arrays, dtypes, by_path, self.setup.quantize))
-        write_arrays(self.store, arrays, dtypes=dtypes, planner=planner)
+            plans = _ShardPlans(arrays, dtypes, by_path, self.setup.quantize)
+        write_arrays(self.store, arrays, dtypes=dtypes, plans=plans)
 
     def _value(self, item: WriteItem) -> dict[str, Any]:
         """A non-tensor value: inline JSON when plain, else its torch.save bytes as an array.
@@ -567,7 +560,7 @@ def _nodes(view: PendingChunks) -> dict[str, dict[str, Any]]:
         if len(parts) < 3:
             continue  # the root's and the FQN groups' zarr.json
         node = nodes.setdefault(f"{parts[0]}/{parts[1]}", {"metadata": None, "chunks": {}})
-        if parts[2] == "zarr.json" and entry.inline is not None:
+        if parts[2] == METADATA_KEY and entry.inline is not None:
             node["metadata"] = entry.inline.decode()
         elif entry.oid is not None:
             node["chunks"][parts[2]] = entry.oid
@@ -641,13 +634,13 @@ def _stage(view: PendingChunks, doc: DcpDocument, results: list[list[WriteResult
             path, node = data["array"], data["node"]
             if not isinstance(node.get("metadata"), str):
                 raise InshrinkError(f"Expected the zarr.json of array {path!r} in a rank's write result. Got none.")
-            view.entries[f"{path}/zarr.json"] = Entry(inline=node["metadata"].encode())
+            view.entries[f"{path}/{METADATA_KEY}"] = Entry(inline=node["metadata"].encode())
             for key, oid in node["chunks"].items():
                 view.entries[f"{path}/{key}"] = Entry(oid=check_id(oid, "object", f"the write result of {path!r}"))
             groups.add(path.split("/", 1)[0])
     for group in sorted(groups):
-        view.entries[f"{group}/zarr.json"] = Entry(inline=_empty_group_doc())
-    view.entries["zarr.json"] = Entry(inline=_group_doc({DOC_ATTR: doc.to_json()}))
+        view.entries[f"{group}/{METADATA_KEY}"] = Entry(inline=_empty_group_doc())
+    view.entries[METADATA_KEY] = Entry(inline=_group_doc({DOC_ATTR: doc.to_json()}))
 
 
 # -- the load --------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 
@@ -36,10 +36,10 @@ if TYPE_CHECKING:  # annotations only; at run time torch comes from require() be
     from typing_extensions import Unpack
 
     from inshrink_store.history import SnapshotInfo
+    from inshrink_store.plans import Planner, Quantize
     from inshrink_store.policy import Allocation, QuantConfig
     from inshrink_store.policy.moments import MomentPolicy
     from inshrink_store.repository import Repository, SaveOptions
-    from inshrink_store.session import Planner
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
@@ -220,29 +220,34 @@ def save_state(repo: Repository, state: Mapping[str, Any], *,
         raise FormatError(f"Expected a dict of state (e.g. {{'model': ...}}). Got {type(state).__name__}.")
     # the save ends before this returns: read the tensors in place (read-only views), no copy
     arrays, dtypes, skeleton = state_to_arrays(dict(state), copy=False)
+    planner: Planner | None
     if isinstance(quantize, QuantConfig):
-        quantize = StatePlanner(quantize, module_kinds=infer_module_kinds(arrays))
+        planner = StatePlanner(quantize, module_kinds=infer_module_kinds(arrays))
     elif isinstance(quantize, Allocation):
-        quantize = AllocationPlanner(quantize, module_kinds=infer_module_kinds(arrays))
+        planner = AllocationPlanner(quantize, module_kinds=infer_module_kinds(arrays))
+    else:
+        planner = quantize
+    planned: Quantize | None = planner
     if moments is not None:
         made = moments.plan(arrays, dtypes, {}, hyper=adam_hyper(state.get("optimizer")))
         metadata = dict(commit.pop("metadata", None) or {})
         metadata["moments"] = made.record.to_dict()
         commit["metadata"] = metadata
-        quantize = made if quantize is None else _Both(made, quantize)
-    return repo.save(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=quantize, **commit)
+        planned = made if planner is None else _Both(made, planner)
+    return repo.save(arrays, dtypes=dtypes, attributes={STRUCTURE_ATTR: skeleton}, quantize=planned, **commit)
 
 
 class _Both:
-    """Two planners as one: the first's plans win, the second's stay lazy (ChainMap)."""
+    """Plans made already and a planner, as one planner: the first's plans win, the
+    second's stay lazy (ChainMap)."""
 
-    def __init__(self, first: Any, second: Any) -> None:
+    def __init__(self, first: Mapping[str, Any], second: Planner) -> None:
         self.first, self.second = first, second
 
     def plan(self, tensors: Any, dtypes: Any, previous: Any) -> Any:
         from collections import ChainMap
 
-        return ChainMap(self.first.plan(tensors, dtypes, previous), self.second.plan(tensors, dtypes, previous))
+        return ChainMap(cast(Any, self.first), cast(Any, self.second.plan(tensors, dtypes, previous)))
 
 
 @overload

@@ -73,7 +73,7 @@ def test_candidate_planner_is_a_repository_planner_that_stores_what_state_planne
     lazy = repo.save(tensors, dtypes=dtypes, quantize=StatePlanner(CONFIG), branch="lazy")
     whole = repo.save(tensors, dtypes=dtypes, quantize=CandidatePlanner(CONFIG), branch="whole")
     made = CandidatePlanner(CONFIG).plan(tensors, dtypes, {})
-    fixed = repo.save(tensors, dtypes=dtypes, quantize=made, branch="fixed")  # a PlanSet plans itself
+    fixed = repo.save(tensors, dtypes=dtypes, quantize=made, branch="fixed")  # a PlanSet is written as made
     ids = [{p: dict(a.chunk_ids) for p, a in repo.checkout(s.id).arrays().items()} for s in (lazy, whole, fixed)]
     assert ids[0] == ids[1] == ids[2]
     assert sorted(made) == ["model/a.weight", "model/b.weight", "model/c.weight"]

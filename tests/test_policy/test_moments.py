@@ -233,7 +233,7 @@ def test_pairs_under_min_numel_stay_lossless_with_a_reason(dtype: str) -> None:
 def test_state_that_is_not_adam_shaped_is_skipped_and_says_why() -> None:
     buf = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     arrays = {"optimizer/state/0/momentum_buffer": buf, "model/w": buf}
-    plans = MomentPolicy().plan(arrays, {p: "F32" for p in arrays}, {})
+    plans = MomentPolicy().plan(arrays, dict.fromkeys(arrays, "F32"), {})
     assert len(plans) == 0 and plans.record.tensors == {}
     assert plans.record.skipped is not None
     assert "momentum_buffer" in plans.record.skipped and "not Adam-shaped" in plans.record.skipped
@@ -525,12 +525,16 @@ def test_same_input_gives_the_same_plans_and_leaves_the_input_alone(case: Any) -
         assert first.get(path) is None or first[path].values is not array
 
 
-def test_a_moment_plans_object_is_its_own_planner() -> None:
+def test_moment_plans_are_written_as_made_without_planning_again() -> None:
     m, v, step = adam_moments(0, (64, 64), "F32")
     arrays, dtypes = state(m, v, step, "F32")
     plans = MomentPolicy().plan(arrays, dtypes, {})
     assert isinstance(plans, MomentPlans)
-    assert plans.plan(arrays, dtypes, {}) is plans
+    assert not hasattr(plans, "plan")  # plans, not a planner: the writer never calls back up
+    repo = ins.open("memory://moment-plans-as-made", create=True)
+    reader = repo.checkout(repo.save(arrays, dtypes=dtypes, quantize=plans).id)
+    for path, plan in plans.items():
+        np.testing.assert_array_equal(reader.read(path), plan.values)
 
 
 # -- configuration and record -----------------------------------------------------------------
