@@ -715,37 +715,17 @@ class Checkpointer:
                                                          higher_is_better=self.policy.higher_is_better))
         else:
             loop = self._closed_loop(arrays) if self.closed_loop else None
-            searched = arrays if loop is None else loop.search_arrays(arrays)
-            sensitivity = job.sensitivity if loop is None else {
-                p: s for p, s in job.sensitivity.items() if p not in loop.bases}  # a residual: by magnitude
-            # joint moment pruning follows pruned *weights*; a residual's pruned elements are
-            # most of the tensor (they keep their value), so its moments are pruned on their own
-            params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
-            candidates = Candidates(searched, dtypes, self._previous_codecs(), sensitivity=sensitivity,
-                                    module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
-                                    optimizer_hyper=adam_hyper(job.state.get("optimizer")))
-            if self.eval_fn is not None and job.eval_model is not None:
-                evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
-                                          None if loop is None else (lambda candidate: loop.plans(candidate, arrays)))
-            # without a restore residual a restart resumes from what is stored: search the
-            # policy's resume space, whose versions hold the tolerance over many restores (a
-            # closed-loop residual searched in RESIDUAL_SPACE met the tolerance at every save
-            # and still ended the evaluation's LM +11.8 % after 10 restores, against +2.3 %)
-            policy = self.policy if self.exact_resume else self.policy.resuming()
-            if self.exact_resume and loop is not None and loop.bases and policy.space == SearchSpace():
-                policy = replace(policy, space=RESIDUAL_SPACE)  # a space the user chose is kept
-            # the neighbourhood search starts from the previous version's point only within one space
-            # the neighbourhood search starts from the previous version's point only in the
-            # space that point came from (keyframes and residuals are searched apart)
-            # (after a restore, the space is unknown: any previous point on this space's axes)
-            same = policy.space == self._previous_space or (
-                self._previous_space is None and _on_axes(policy.space, self._previous))
-            previous = self._previous if same else None
-            self._previous_space = policy.space
-            decision = policy.decide(candidates, evaluate, previous=previous)
-            plans = decision.plans
-            if loop is not None and decision.plans is not None:
-                plans = loop.plans(decision.plans, arrays)
+            decision, plans, evaluate = self._decide(job, arrays, dtypes, loop)
+            if loop is not None and loop.bases and decision.record.config is None \
+                    and decision.record.search is not None:
+                # no residual met the tolerance (the parents' reconstructions used up the
+                # tolerance): keyframes, searched afresh, before a lossless version
+                log.info("checkpoint at step %s: no closed-loop residual within tolerance; searching keyframes",
+                         job.step)
+                spent = evaluate
+                decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes())
+                if evaluate is not None and spent is not None:
+                    evaluate.calls, evaluate.seconds = evaluate.calls + spent.calls, evaluate.seconds + spent.seconds
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if self.probe is not None and job.eval_model is not None:
@@ -770,6 +750,43 @@ class Checkpointer:
         elif self.exact_resume and info.metadata.get("residual") is not None:
             self._request_gc()  # older residuals fell out of the newest exact_resume versions
         return info
+
+    def _decide(self, job: _Job, arrays: dict[str, Any], dtypes: dict[str, str], loop: ClosedLoop | None
+                ) -> tuple[Decision, Any, _QuantizedEval | None]:
+        """The search of one save: its decision, the plans to write (closed-loop ones when
+        ``loop`` codes the weights) and the evaluator it used (None without ``eval_fn``)."""
+        searched = arrays if loop is None else loop.search_arrays(arrays)
+        sensitivity = job.sensitivity if loop is None else {
+            p: s for p, s in job.sensitivity.items() if p not in loop.bases}  # a residual: by magnitude
+        # joint moment pruning follows pruned *weights*; a residual's pruned elements are
+        # most of the tensor (they keep their value), so its moments are pruned on their own
+        params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
+        candidates = Candidates(searched, dtypes, self._previous_codecs(), sensitivity=sensitivity,
+                                module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
+                                optimizer_hyper=adam_hyper(job.state.get("optimizer")))
+        evaluate = None
+        if self.eval_fn is not None and job.eval_model is not None:
+            evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
+                                      None if loop is None else (lambda candidate: loop.plans(candidate, arrays)))
+        # without a restore residual a restart resumes from what is stored: search the
+        # policy's resume space, whose versions hold the tolerance over many restores (a
+        # closed-loop residual searched in RESIDUAL_SPACE met the tolerance at every save
+        # and still ended the evaluation's LM +11.8 % after 10 restores, against +2.3 %)
+        policy = self.policy if self.exact_resume else self.policy.resuming()
+        if self.exact_resume and loop is not None and loop.bases and policy.space == SearchSpace():
+            policy = replace(policy, space=RESIDUAL_SPACE)  # a space the user chose is kept
+        # the neighbourhood search starts from the previous version's point only in the
+        # space that point came from (keyframes and residuals are searched apart)
+        # (after a restore, the space is unknown: any previous point on this space's axes)
+        same = policy.space == self._previous_space or (
+            self._previous_space is None and _on_axes(policy.space, self._previous))
+        previous = self._previous if same else None
+        self._previous_space = policy.space
+        decision = policy.decide(candidates, evaluate, previous=previous)
+        plans: Any = decision.plans
+        if loop is not None and decision.plans is not None:
+            plans = loop.plans(decision.plans, arrays)
+        return decision, plans, evaluate
 
     def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> SnapshotInfo:
         """``repo.save`` that rides out a gc: waits for it (up to ``gc_wait`` s, logged) and

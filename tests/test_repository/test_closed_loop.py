@@ -251,3 +251,50 @@ def test_nan_and_inf_weights_are_kept_as_stored_and_read_back(tmp_path: Path) ->
         assert np.isfinite(got[4:]).all()
     assert np.isnan(got[3, 0]) and np.isposinf(got[3, 1]) and np.isneginf(got[3, 2])
     assert ins.open(url).verify().ok
+
+
+def test_when_no_residual_meets_the_tolerance_keyframes_are_searched_before_lossless(
+        torch_mod: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Residuals limited to 98 % pruned at 4 levels cannot follow weights that move a lot
+    between saves; the save then searches keyframes (the default space) and stores a
+    quantized version, where it used to store the weights lossless."""
+    torch = torch_mod
+    from inshrink_store.policy.search import SearchSpace
+    from inshrink_store.torch import Checkpointer
+    from inshrink_store.torch import checkpointer as checkpointer_module
+
+    monkeypatch.setattr(checkpointer_module, "RESIDUAL_SPACE",
+                        SearchSpace(bins=(4,), prune=(0.98,), metrics=("magnitude",), protect=(0.0005,)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)  # big steps: a residual of 2 % cannot follow
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (128,), generator=torch.Generator().manual_seed(2))
+
+    def evaluate(m: Any) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(m(x), y))
+
+    url = f"memory://cl-{uuid.uuid4().hex}"
+    ck = Checkpointer(ins.open(url, create=True), model, opt, eval_fn=evaluate, tolerance=0.05,
+                      higher_is_better=False, background=False)
+    with caplog.at_level(logging.INFO, logger="inshrink_store.torch.checkpointer"):
+        for step in range(1, 4):
+            for _ in range(5):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                ck.observe_gradients()
+                opt.step()
+            ck.save(step)
+    ck.close()
+    repo = ins.open(url)
+    assert any("searching keyframes" in r.getMessage() for r in caplog.records)
+    for info in repo.log():
+        assert info.metadata["quantization"]["config"] is not None, f"version at step {info.step} stored lossless"
+        head = repo.checkout(info.id)
+        for path in ("model/0.weight",):  # (the output layer is kept lossless by the policy)
+            assert head.index.array(path).attributes.get("coding") == CODING, (info.step, path, head.index.array(path).attributes)
+            assert np.isfinite(head.read(path)).all()
+    final = repo.checkout("main").read("model/0.weight")
+    live = model.state_dict()["0.weight"].numpy()
+    assert np.linalg.norm(final - live) / np.linalg.norm(live) < 0.1
