@@ -293,7 +293,7 @@ def transform_speed(series: dict[str, list[bytes]]) -> tuple[int, float, float, 
 def report(series: dict[str, list[bytes]], rows: list[tuple[str, int, float, float]],
            speed: tuple[int, float, float, float]) -> str:
     logical = sum(len(p) for v in series.values() for p in v[1:])
-    key = dict((r[0], r[1]) for r in rows)["zstd-3 of the whole payload (keyframe)"]
+    key = {r[0]: r[1] for r in rows}["zstd-3 of the whole payload (keyframe)"]
     shapes = ", ".join(f"{k} ({_payload.unpack(v[0]).count} ids)" for k, v in series.items())
     lines = [
         f"Payloads: {len(next(iter(series.values()))) - 1} consecutive deltas of {len(series)} weight "

@@ -188,7 +188,7 @@ def demo_mlp(steps: int = 400) -> pm.Workload:
             return model(xte).numpy()
 
     n = sum(v.size for v in weights.values())
-    kinds = {k: "Linear" for k in weights}
+    kinds = dict.fromkeys(weights, "Linear")
     return pm.Workload("demo MLP", f"the demo's MLP trained {steps} Adam steps on scikit-learn's digits, "
                        f"{n / 1e6:.2f} M parameters; embedding: its 10 logits on each of the "
                        f"{len(xte)} test images", weights, kinds, embed)

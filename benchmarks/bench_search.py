@@ -89,7 +89,7 @@ class _StandIn:
 def _search_once(kind: type[Candidates], weights: dict[str, np.ndarray], sensitivity: dict[str, np.ndarray],
                  previous_codecs: dict[str, dict[str, Any]], previous: QuantConfig | None, tmp: str,
                  attempt: str) -> dict[str, Any]:
-    dtypes = {k: "F32" for k in weights}
+    dtypes = dict.fromkeys(weights, "F32")
     policy = SearchPolicy(tolerance=TOLERANCE, optimizer=None)
     stand_in = _StandIn(weights)
     wall, cpu = time.perf_counter(), time.process_time()

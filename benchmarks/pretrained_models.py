@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as nnf
 
 SAMPLE_RATE = 16000
 
@@ -107,11 +107,11 @@ def _crepe_embed(state: dict[str, np.ndarray], frames: torch.Tensor) -> np.ndarr
     w = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()}
     x = frames[:, None, :, None]
     for i in range(1, 7):
-        x = F.pad(x, (0, 0, 254, 254) if i == 1 else (0, 0, 31, 32))
-        x = F.conv2d(x, w[f"conv{i}.weight"], w[f"conv{i}.bias"], stride=(4, 1) if i == 1 else (1, 1))
-        x = F.batch_norm(F.relu(x), w[f"conv{i}_BN.running_mean"], w[f"conv{i}_BN.running_var"],
+        x = nnf.pad(x, (0, 0, 254, 254) if i == 1 else (0, 0, 31, 32))
+        x = nnf.conv2d(x, w[f"conv{i}.weight"], w[f"conv{i}.bias"], stride=(4, 1) if i == 1 else (1, 1))
+        x = nnf.batch_norm(nnf.relu(x), w[f"conv{i}_BN.running_mean"], w[f"conv{i}_BN.running_var"],
                          w[f"conv{i}_BN.weight"], w[f"conv{i}_BN.bias"], training=False, eps=0.001)
-        x = F.max_pool2d(x, (2, 1), (2, 1))
+        x = nnf.max_pool2d(x, (2, 1), (2, 1))
     return x.permute(0, 2, 1, 3).reshape(x.shape[0], -1).numpy()
 
 
@@ -184,7 +184,7 @@ def resemblyzer(utterances: int = 24, seed: int = 0) -> Workload | None:
         with torch.no_grad():
             lstm.load_state_dict({k[5:]: torch.from_numpy(v) for k, v in s.items() if k.startswith("lstm.")})
             _, (hidden, _) = lstm(mels)
-            out = F.relu(F.linear(hidden[-1], torch.from_numpy(s["linear.weight"]),
+            out = nnf.relu(nnf.linear(hidden[-1], torch.from_numpy(s["linear.weight"]),
                                   torch.from_numpy(s["linear.bias"])))
             return (out / out.norm(dim=1, keepdim=True).clamp_min(1e-12)).numpy()
 

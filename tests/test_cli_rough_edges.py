@@ -347,8 +347,8 @@ def test_embedding_names_are_recognised() -> None:
              "model/bert.embeddings.word_embeddings.weight", "model/pos_emb.weight", "embed_in.weight"]
     others = ["model/embed_proj.weight", "model/lm_head.weight", "model/embeddings.LayerNorm.weight",
               "model/embed.bias", "model/0.weight"]
-    kinds = infer_module_kinds({**{n: two_d for n in names + others}, "model/x.embed.weight": np.zeros(4)})
-    assert kinds == {n: "Embedding" for n in names}
+    kinds = infer_module_kinds({**dict.fromkeys(names + others, two_d), "model/x.embed.weight": np.zeros(4)})
+    assert kinds == dict.fromkeys(names, "Embedding")
 
 
 def test_embedding_bins_apply_to_an_imported_file(checkpoint: Path, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from inshrink_store.hf import InshrinkCallback  # noqa: E402
 from inshrink_store.torch import load_state, save_state  # noqa: E402
 
 
-class Crash(Exception):
+class CrashError(Exception):
     """The simulated failure."""
 
 
@@ -40,7 +40,7 @@ class CrashAt(transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.step:
-            raise Crash(self.step)
+            raise CrashError(self.step)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,7 +69,7 @@ def make_trainer(out: Path, callbacks: list[Any]) -> Any:
 
 def crash(out: Path, callback: InshrinkCallback, at: int, resume: str | None = None) -> None:
     trainer = make_trainer(out, [callback, CrashAt(at)])
-    with pytest.raises(Crash):
+    with pytest.raises(CrashError):
         trainer.train(resume_from_checkpoint=resume)
     callback.close()  # the process goes on: let the save in flight finish, as a real run's would have
 

@@ -229,7 +229,7 @@ class LosslessTaps:
         self.codecs = codecs
         self.stores = {k: BaselineStore(c, 0.0, True) for k, c in codecs.items()}
         self.repo = ins.open(str(workdir / "lossless"), create=True)
-        self.seconds = {"ours": 0.0, **{k: 0.0 for k in codecs}}
+        self.seconds = {"ours": 0.0, **dict.fromkeys(codecs, 0.0)}
 
     def save(self, step: int, model: Any, optimizer: Any, scheduler: Any) -> None:
         t = time.perf_counter()

@@ -231,7 +231,7 @@ def test_an_allocation_search_bisects_to_the_largest_target_within_tolerance() -
     from inshrink_store.policy import Candidates, SearchPolicy
 
     state = _state(4)
-    dtypes = {p: "F32" for p in state}
+    dtypes = dict.fromkeys(state, "F32")
     ratios = (2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0)
 
     def quality(plans: object) -> float:

@@ -21,7 +21,7 @@ def _state() -> dict[str, np.ndarray]:
 
 def _candidates(kinds: dict[str, str]) -> Candidates:
     state = _state()
-    return Candidates(state, {p: "F32" for p in state}, {}, module_kinds=kinds)
+    return Candidates(state, dict.fromkeys(state, "F32"), {}, module_kinds=kinds)
 
 
 def _needs_wide_embeddings(plans: Any) -> float:

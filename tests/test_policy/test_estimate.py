@@ -114,7 +114,7 @@ def _state(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, str], dict[s
     tensors["model/l0.bias"] = rng.standard_normal(256).astype(np.float32)
     sensitivity = {k: np.abs(v * rng.standard_normal(v.shape).astype(np.float32))
                    for k, v in tensors.items() if v.ndim == 2}
-    return tensors, {k: "F32" for k in tensors}, sensitivity
+    return tensors, dict.fromkeys(tensors, "F32"), sensitivity
 
 
 def test_ratios_are_estimated_without_quantizing_and_rank_like_measurements(monkeypatch: Any) -> None:

@@ -157,7 +157,7 @@ def test_neighbourhood_is_never_more_aggressive_and_falls_back_to_the_full_searc
 def test_infeasible_neighbourhood_falls_back_to_the_whole_cube() -> None:
     # only bins 32 with heavy pruning holds; previous asks for fewer bins and no pruning
     cube = Cube({"magnitude": [(0, 5, 2)], "sensitivity": []}, [[0.0] * n for n in SPACE.shape],
-                {m: 1.0 for m in SPACE.metrics})
+                dict.fromkeys(SPACE.metrics, 1.0))
     previous = SearchPoint(8, 0.0, "magnitude", 0.01)
     result = _run(cube, previous=previous)
     assert result.mode == "fallback"
@@ -196,7 +196,7 @@ def test_unavailable_metric_is_never_tried(cube: Cube) -> None:
 
 
 def test_nothing_feasible_gives_none() -> None:
-    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], {m: 1.0 for m in SPACE.metrics})
+    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], dict.fromkeys(SPACE.metrics, 1.0))
     full = _run(cube)
     assert full.best is None and full.mode == "full"
     assert full.evaluations == len(SPACE.metrics)  # the least aggressive corner of each metric decides
@@ -229,7 +229,7 @@ class _Axes:
 
 def test_previous_may_be_any_config_with_the_four_axes() -> None:
     cube = Cube({m: [(5, 5, 2)] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape],
-                {m: 1.0 for m in SPACE.metrics})
+                dict.fromkeys(SPACE.metrics, 1.0))
     config = _Axes(bins=16, prune=0.2, prune_metric="magnitude", protect=0.005, min_numel=4096)
     result = search(cube.measure_ratio, cube.is_feasible, previous=config)
     assert result.best == SearchPoint(16, 0.2, "magnitude", 0.005)
@@ -271,7 +271,7 @@ def test_invalid_points_and_spaces_are_rejected(make: Callable[[], object]) -> N
 
 
 def test_previous_off_the_axes_and_no_usable_metric_are_rejected() -> None:
-    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], {m: 1.0 for m in SPACE.metrics})
+    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], dict.fromkeys(SPACE.metrics, 1.0))
     with pytest.raises(FormatError, match="Expected a point on the axes"):
         _run(cube, previous=SearchPoint(10, 0.0, "magnitude", 0.01))
     with pytest.raises(FormatError, match="Expected metrics_available"):
@@ -304,7 +304,7 @@ def test_an_evaluation_budget_caps_eval_calls_and_keeps_the_best_evaluated(
 
 
 def test_a_bad_evaluation_budget_is_refused() -> None:
-    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], {m: 1.0 for m in SPACE.metrics})
+    cube = Cube({m: [] for m in SPACE.metrics}, [[0.0] * n for n in SPACE.shape], dict.fromkeys(SPACE.metrics, 1.0))
     for bad in (0, -1, 2.5, True):
         with pytest.raises(FormatError, match="max_evaluations"):
             _run(cube, max_evaluations=bad)

@@ -98,7 +98,7 @@ class RepositoryMachine(RuleBasedStateMachine):
             raise AssertionError(f"branch {name} created twice")
         if back >= len(history):
             if back == len(history) and self.parents[history[-1]] is not None:
-                return  # resolves to a gc'ed id: see test_ref_past_gc_cut_is_not_found (xfail)
+                return  # resolves to a gc'ed id: see test_bad_input.py::test_ref_past_gc_cut_is_not_found
             try:
                 self.repo.create_branch(name, f"{source}~{back}")
             except ins.NotFoundError:

@@ -11,6 +11,9 @@ import inshrink_store as ins
 torch = pytest.importorskip("torch")
 from inshrink_store.torch import DistributedCheckpointer  # noqa: E402
 
+# one process, no process group: torch's DCP says it assumes a single process (as in test_dcp.py)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def test_restore_defaults_to_the_checkpointers_branch(tmp_path: object) -> None:
     url = f"{tmp_path}/store"

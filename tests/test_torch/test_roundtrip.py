@@ -199,7 +199,7 @@ def test_ties_anywhere_in_the_state_come_back_as_one_tensor(memory_url: str, sta
                                                             data: Any) -> None:
     shared = data.draw(tensors().filter(lambda t: t.numel() > 0), label="shared")
     where = data.draw(st.lists(str_keys, min_size=2, max_size=4, unique=True), label="tied keys")
-    state = {**state, "tied": {k: shared for k in where}, "tied_list": [shared]}
+    state = {**state, "tied": dict.fromkeys(where, shared), "tied_list": [shared]}
     repo = ins.open(memory_url, create=True)
     save_state(repo, state)
     got = load_state(repo)
