@@ -32,14 +32,14 @@ import numpy as np
 
 from inshrink_store import dtypes
 from inshrink_store.cas import ObjectStore
+from inshrink_store.codecs import nuq
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
 from inshrink_store.layout import tree_path
 from inshrink_store.manifest import NodeTree, RootTree
 from inshrink_store.storage import Storage
+from inshrink_store.structure import METADATA_KEY as METADATA_KEY  # re-exported
 
-METADATA_KEY = "zarr.json"
 ATTR = "inshrink"
-NUQ_NAME = "inshrink.nuq"
 #: arrays up to this many declared bytes may miss chunks (zarr reads them as the fill value)
 SPARSE_LIMIT = 64 << 20
 #: at most this many chunks of a (small) array may be missing: zarr visits each one
@@ -256,7 +256,7 @@ def _nuq_config(doc: Mapping[str, Any]) -> dict[str, Any] | None:
     found = None
     codecs = doc.get("codecs")
     for codec in codecs if isinstance(codecs, list) else []:
-        if isinstance(codec, dict) and codec.get("name") == NUQ_NAME:
+        if isinstance(codec, dict) and codec.get("name") == nuq.CODEC_ID:
             config = codec.get("configuration", {})
             found = config if isinstance(config, dict) else {}
     return found

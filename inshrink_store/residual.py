@@ -36,7 +36,7 @@ import xxhash
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ObjectStore
-from inshrink_store.codecs.bytegroup import ByteGroup
+from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES, ByteGroup
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
 from inshrink_store.layout import check_id, residual_path
 from inshrink_store.manifest import canonical_json, content_id, parse_document
@@ -50,8 +50,15 @@ PIECE_MAGIC = b"IRP\x01"
 META_KEY = "residual"
 #: the most versions of a branch that keep their residual (``exact_resume`` is capped here)
 MAX_KEEP_NEWEST = 64
-#: logical dtype -> the bytegroup element dtype its bits are coded as
-CODED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _element(dtype: object) -> str | None:
+    """The bytegroup element dtype a logical dtype's bits are coded as: the name the dtype
+    registry gives it for the codecs (F32 -> float32, F16 -> float16, BF16 -> bfloat16), or
+    None for a dtype that has no residual (integers, bool, F64, float8, complex)."""
+    entry = dtype_registry.REGISTRY.get(dtype) if isinstance(dtype, str) else None
+    name = None if entry is None else entry.codec_name
+    return name if name in ELEMENT_DTYPES else None
 
 
 def _bits(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -117,7 +124,8 @@ class ResidualWriter:
     def add(self, path: str, original: np.ndarray, stored: np.ndarray, dtype: str) -> None:
         """Record what turns ``stored`` back into ``original`` (same shape, carried as ``dtype``).
         Only float dtypes have a residual; an exact tensor adds nothing."""
-        if dtype not in CODED or original.shape != stored.shape:
+        element = _element(dtype)
+        if element is None or original.shape != stored.shape:
             return
         exact = _bits(original, dtype)
         xor = np.bitwise_xor(exact, _bits(stored, dtype))
@@ -125,7 +133,7 @@ class ResidualWriter:
         if not xor.any():  # stored exactly: listed with no pieces, so the residual covers it
             self.arrays[path] = ResidualArray(dtype, tuple(original.shape), (), checksum)
             return
-        codec = ByteGroup(dtype=CODED[dtype])
+        codec = ByteGroup(dtype=element)
         per_piece = max(1, PIECE_BYTES // xor.itemsize)
         pieces = []
         for start in range(0, xor.size, per_piece):
@@ -172,7 +180,7 @@ def load(storage: Storage, rid: str) -> dict[str, ResidualArray]:
     for path, entry in arrays.items():
         where = f"residual {rid}, array {path!r}"
         ok = (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "pieces", "checksum"}
-              and entry["dtype"] in CODED and isinstance(entry["shape"], list)
+              and _element(entry["dtype"]) is not None and isinstance(entry["shape"], list)
               and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry["shape"])
               and isinstance(entry["pieces"], list) and isinstance(entry["checksum"], str)
               and re.fullmatch(r"[0-9a-f]{16}", entry["checksum"]) is not None)
@@ -195,7 +203,11 @@ def apply(objects: ObjectStore, array: ResidualArray, stored: np.ndarray, path: 
         raise IntegrityError(f"Expected tensor {path!r} to be carried as {carrier} like its residual "
                              f"({array.dtype}). Got {np.asarray(stored).dtype} instead: the residual is corrupt.")
     bits = _bits(stored, array.dtype).copy()
-    codec = ByteGroup(dtype=CODED[array.dtype])
+    element = _element(array.dtype)
+    if element is None:
+        raise IntegrityError(f"Expected a float dtype in the residual of tensor {path!r}. Got {array.dtype!r} "
+                             "instead: the residual is corrupt.")
+    codec = ByteGroup(dtype=element)
     offset = 0
     for oid in array.pieces:
         try:

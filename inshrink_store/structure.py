@@ -23,6 +23,9 @@ STRUCTURE_ATTR = "inshrink_structure"
 #: (``{"0": "encoder.layer.0.attention.self.query.weight"}``), written where the saver knew
 #: the model (the Checkpointer); see :func:`optimizer_param_names` for the other source
 PARAM_NAMES_ATTR = "inshrink_param_names"
+#: the key of every zarr v3 node's metadata document, so never a name a state key may take;
+#: the one spelling of it (``index.METADATA_KEY`` re-exports it to the layers above)
+METADATA_KEY = "zarr.json"
 
 
 def _component(key: object, path: str) -> str:
@@ -32,7 +35,7 @@ def _component(key: object, path: str) -> str:
         )
     text = str(key)
     if (not text or text in (".", "..") or "/" in text or "\\" in text or text.startswith("__")
-            or text == "zarr.json"):
+            or text == METADATA_KEY):
         raise FormatError(
             f"Expected a state key usable as a tensor name. Got {text!r} at {path or '/'!r} instead: "
             "names may not be empty, '.', '..', start with '__' or contain '/' or '\\'; rename it."
