@@ -1,4 +1,5 @@
 """inshrink-store: versioned, content-addressed checkpoint storage with dynamic quantization.
+Layer: none; the root re-exports the layers' public API (docs/reference/architecture.md).
 
 ``import inshrink_store as ins`` needs only numpy, zarr, numcodecs, fsspec and xxhash;
 torch lives in :mod:`inshrink_store.torch`, cupy, s3fs and gcsfs are optional.

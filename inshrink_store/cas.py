@@ -1,4 +1,5 @@
 """Content-addressed chunk objects with bounded delta chains and end-to-end verification.
+Layer: objects and leases (``cas`` | ``leases``), under everything that stores or deletes.
 
 An object's id is the xxh3-128 of its *logical* payload (the bytes Zarr wrote), so
 identical chunks in any tensor or version are stored once whether they are kept

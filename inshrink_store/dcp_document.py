@@ -1,6 +1,7 @@
 """The JSON document of a DCP checkpoint (DCP's global metadata, the root group attribute
 :data:`DOC_ATTR` of a version saved through :mod:`inshrink_store.torch.dcp`), parsed and
 checked without torch.
+Layer: documents (``manifest`` | ``dcp_document``), under ``cas``, above the codecs.
 
 Why here, below the admin layer and outside ``inshrink_store.torch``: ``verify`` must refuse
 a version whose document a DCP load would refuse, by the very same checks, and admin may not

@@ -1,5 +1,6 @@
 """The one dtype registry: every logical dtype the store knows, how zarr carries it, and how
 it widens to and narrows from float32 (numpy only, so every layer may import it).
+Layer: helpers (``layout`` | ``dtypes`` | ``parallel``), above only ``errors``.
 
 A *logical* dtype is what the tensor is (safetensors spelling: ``F32``, ``BF16``, ...); its
 *carrier* is the numpy dtype that holds its bits in a zarr array. They differ only where

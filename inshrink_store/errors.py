@@ -1,4 +1,5 @@
 """One error tree for the whole library, grouped by what the caller should do.
+Layer: errors, the bottom one: it imports nothing of the package; every module may import it.
 
 - ``NotFoundError`` (also a ``KeyError``): check the ref, tensor or URL.
 - ``ConflictError``: someone else got there first; nothing was lost, retry or rebase.

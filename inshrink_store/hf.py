@@ -1,4 +1,5 @@
 """Hugging Face ``Trainer`` integration: every save of a Trainer is a version of a store.
+Layer: Hugging Face, below Lightning and the CLI, above ``torch`` (it drives the Checkpointer).
 
 :class:`InshrinkCallback` is a ``transformers.TrainerCallback``. At each of the Trainer's
 save events (``on_save``: ``save_strategy`` and ``save_steps`` decide when) it commits one

@@ -1,4 +1,5 @@
 """Snapshot history: reading committed versions and walking their parents.
+Layer: refs, history and policy (siblings, none importing another), below ``parts``.
 
 A snapshot is immutable and addressed by the hash of its bytes, so this module only
 reads; the write session creates snapshots and the refs make them reachable.

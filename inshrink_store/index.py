@@ -1,4 +1,5 @@
 """What one committed snapshot holds, read from storage once per process and then kept.
+Layer: snapshot index and residual (``index`` | ``residual``), under the zarr view, above ``cas``.
 
 A snapshot's root tree names one node tree per zarr node; together they hold every
 ``zarr.json`` and every chunk key -> object id. Reading a tensor needs some of that,

@@ -1,4 +1,5 @@
 """The store's key layout: every path the store writes or parses is made and read here.
+Layer: helpers (``layout`` | ``dtypes`` | ``parallel``), above only ``errors``.
 
 Paths are relative to the store's root URL (see docs/reference/format.md)::
 

@@ -1,4 +1,5 @@
 """Leases and fences: how gc and any number of writers share a store without losing a version.
+Layer: objects and leases (``cas`` | ``leases``), under everything that stores or deletes.
 
 A commit writes objects, trees and a snapshot first and makes them reachable last (the
 ref). To gc, everything before that moment looks unreachable, and a chunk a writer

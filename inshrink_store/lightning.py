@@ -1,4 +1,5 @@
 """PyTorch Lightning's checkpoints as versions of an inshrink store: ``InshrinkCheckpointIO``.
+Layer: Lightning, below the CLI, above Hugging Face and ``torch`` (it builds on the latter).
 
 ``Trainer(plugins=[InshrinkCheckpointIO("s3://bucket/run")])`` makes every checkpoint Lightning
 writes one version of a branch: tensors as arrays, everything else (loops, callbacks, hyper

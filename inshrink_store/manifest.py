@@ -1,4 +1,5 @@
 """Snapshots and trees: the immutable JSON documents that describe one version.
+Layer: documents (``manifest`` | ``dcp_document``), under ``cas``, above the codecs.
 
 A snapshot names its parent and a root tree; the root tree maps each Zarr node
 path (group or array) to a node tree; a node tree holds the node's ``zarr.json``

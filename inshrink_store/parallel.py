@@ -1,6 +1,7 @@
 """One way to run a function over many items on a thread pool: the writer's tensors, a
 restore's reads. numpy, zstd and I/O release the GIL, so threads use the cores (or wait on
 an object store side by side).
+Layer: helpers (``layout`` | ``dtypes`` | ``parallel``), above only ``errors``.
 
 Results come back in the items' order, and a failure is raised only after every call
 ended (nothing is left running behind the caller), the first failure in the items' order:

@@ -1,4 +1,5 @@
 """The typed parts of one open store, shared by the facade, the write session and admin.
+Layer: parts, below the write session, above refs, history and policy.
 
 ``Repository`` is a short facade over a :class:`StoreParts`; ``admin`` (diff, verify, gc,
 du) and the write session take the parts they need, typed, instead of a whole repository.

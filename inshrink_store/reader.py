@@ -1,4 +1,5 @@
 """Reading one committed version: tensors as zarr arrays, decoded in full on request.
+Layer: reader and writer (siblings), below refs, history and policy, above the zarr view.
 
 Everything known from metadata (names, shapes, dtypes, chunk ids) comes from the
 snapshot's :class:`~inshrink_store.index.SnapshotIndex`, so listing or opening tensors

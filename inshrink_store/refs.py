@@ -1,4 +1,5 @@
 """Branches and tags as write-once files; resolving ref expressions to snapshot ids.
+Layer: refs, history and policy (siblings, none importing another), below ``parts``.
 
 A branch is a folder of files ``refs/branches/<name>/<seq>`` each holding one
 snapshot id; the head is the highest ``seq``. Advancing a branch is creating the

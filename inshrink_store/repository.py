@@ -1,4 +1,5 @@
 """Repository: the public facade over one store URL — refs, history, reading, writing, admin.
+Layer: facade, below the integrations (``torch``, ``hf``, ``lightning``, the CLI).
 
 It holds no logic of its own: refs live in :mod:`~inshrink_store.refs`, snapshots in
 :mod:`~inshrink_store.history`, a write in :mod:`~inshrink_store.session`, and diff,

@@ -1,4 +1,5 @@
 """The restore residual: what turns a version's stored (quantized) tensors back into the exact bits.
+Layer: snapshot index and residual (``index`` | ``residual``), under the zarr view, above ``cas``.
 
 Why: a fault-tolerant restart only ever needs the newest version, and ten lossy restores
 in one run add up (each hands training a pruned, quantized model). So the newest N versions

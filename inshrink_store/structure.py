@@ -1,4 +1,5 @@
 """Nested training state <-> flat ``{path: array}`` plus a JSON skeleton, without pickle.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Optimizer state is nested dicts (with int keys), lists, tuples and Python scalars
 around tensors. The arrays become zarr arrays at '/'-joined paths; everything else

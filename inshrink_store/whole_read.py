@@ -1,4 +1,5 @@
 """Whole-array reads without zarr's event loop, for the codec chains the store writes.
+Layer: zarr view (``zarr_store`` | ``whole_read`` | ``plans``), above the snapshot index.
 
 Why: a restore decodes every chunk of every tensor. Through zarr, each chunk travels from
 the caller's thread to zarr's event loop, to a worker thread for the store read, back, to

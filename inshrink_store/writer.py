@@ -1,4 +1,5 @@
 """Tensors -> zarr arrays of one pending version: naming, dtypes, chunking, codec choice.
+Layer: reader and writer (siblings), below refs, history and policy, above the zarr view.
 
 Each tensor is one zarr array at a '/'-separated path. Lossless float32, float16 and
 bfloat16 tensors use bytes + ``inshrink.bytegroup`` (byte planes coded apart: 4-5 % smaller

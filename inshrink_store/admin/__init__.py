@@ -1,4 +1,5 @@
 """Whole-store operations over the typed parts of a store: diff, verify, gc and du.
+Layer: admin, below the facade (which delegates to it) and above the write session.
 
 ``Repository`` delegates to these; each module owns one operation and its report.
 """

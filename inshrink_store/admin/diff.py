@@ -1,4 +1,5 @@
-"""diff: per-tensor changes between two versions, from their trees (values on request)."""
+"""diff: per-tensor changes between two versions, from their trees (values on request).
+Layer: admin, below the facade (which delegates to it) and above the write session."""
 
 from __future__ import annotations
 

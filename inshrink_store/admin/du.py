@@ -1,5 +1,6 @@
 """du: storage per version along a history, each byte counted where first used, and where
-every other byte under the store is (:func:`du_summary`)."""
+every other byte under the store is (:func:`du_summary`).
+Layer: admin, below the facade (which delegates to it) and above the write session."""
 
 from __future__ import annotations
 

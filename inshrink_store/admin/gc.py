@@ -1,4 +1,5 @@
 """gc: delete what no ref reaches, safely beside any number of writers and gc runs.
+Layer: admin, below the facade (which delegates to it) and above the write session.
 
 The protocol and why it never loses a version: docs/reference/format.md ("gc protocol").
 """

@@ -1,4 +1,5 @@
-"""What the refs keep: the snapshots, trees and objects gc must not delete and verify checks."""
+"""What the refs keep: the snapshots, trees and objects gc must not delete and verify checks.
+Layer: admin, below the facade (which delegates to it) and above the write session."""
 
 from __future__ import annotations
 

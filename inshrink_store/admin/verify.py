@@ -1,4 +1,5 @@
-"""verify: read every reachable object end to end and name what is wrong and who uses it."""
+"""verify: read every reachable object end to end and name what is wrong and who uses it.
+Layer: admin, below the facade (which delegates to it) and above the write session."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Reading a codec's configuration, the same way for every codec: clear errors, no guessing.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 zarr.json (and numcodecs configs) are data anything may have written, so a codec entry that
 is not ``{"name": ..., "configuration": {...}}`` or a configuration with a key this version

@@ -1,4 +1,5 @@
 """The GPU path: CuPy kernels for the codecs and the sketch, byte-identical to the host's.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 The only module of inshrink-store that imports CuPy, and only inside functions, so
 ``import inshrink_store`` never does (zarr itself imports CuPy when it is installed, for its

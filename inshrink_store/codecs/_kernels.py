@@ -1,4 +1,5 @@
 """Compiled loops for the lossless float codec's hot passes, when numba is installed.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Why: a lossless float chunk is split into byte planes, each plane's bytes are counted
 (a sample, then a trial's head), and the exponent plane is packed into ranks. In numpy

@@ -1,4 +1,5 @@
 """Two level ids per byte: how the object store codes a quantized payload of at most 16 levels.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Why: the payload keeps one id per byte (deltas and regrouping need whole symbols), and zstd's
 entropy stage codes bytes. With few levels each id carries 1-3 bits, and a byte-wise Huffman

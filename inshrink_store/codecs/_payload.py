@@ -1,4 +1,5 @@
 """The quantized chunk payload: the byte layout `inshrink.nuq` writes and `inshrink.vdelta` reads.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Layout (all integers little-endian), see ``codecs/inshrink.nuq/README.md``::
 

@@ -1,4 +1,5 @@
 """How one byte plane of ``inshrink.bytegroup`` is stored: the stream coders and their choice.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Why more than zstd: the plane holding a float's exponent takes a few dozen byte values
 with a skewed, non-repeating distribution. zstd's fast levels spend bits on short

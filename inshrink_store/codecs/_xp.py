@@ -1,4 +1,5 @@
 """One code path, two array libraries: which library (numpy or CuPy) an array belongs to.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 The codecs and the sketch take numpy or CuPy arrays and call ``xp.<function>`` on the
 module this returns, so the numpy path runs the very code a GPU would (array-API style,

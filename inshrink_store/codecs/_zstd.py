@@ -1,4 +1,5 @@
 """Bounded zstd decompression: memory follows the real output, never a declared size.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 A zstd frame may declare its content size, and ``ZstdDecompressor().decompress``
 allocates that much up front (a corrupt or hostile frame declaring 10**18 bytes is a

@@ -1,4 +1,5 @@
 """``inshrink.bytegroup``: lossless float codec that entropy-codes each byte plane on its own.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Why: in trained float weights the byte holding the high exponent bits takes few values
 (it compresses several times over), while the low mantissa bytes are close to uniformly

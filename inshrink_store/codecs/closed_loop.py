@@ -1,4 +1,5 @@
 """The body of a closed-loop object (object coder 4): float32 values as a quantized residual.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Why: a weight re-quantized to a few levels at every checkpoint (open loop) hands a lossy
 restore the whole quantization error, and over restores the damage adds up. Coding each

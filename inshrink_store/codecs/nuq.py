@@ -1,4 +1,5 @@
 """``inshrink.nuq``: non-uniform quantization of a float chunk onto a sorted codebook.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Values equal to a centre take its id; other values take the nearest centre when
 within ``tolerance`` and are *protected* otherwise (stored whole, bfloat16 by

@@ -1,4 +1,5 @@
 """``inshrink.vdelta``: reorder-aware delta of level ids against the previous version's payload.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 Why: between two checkpoints most quantized weights keep their level id, so
 ``D = (prev - curr) mod B`` is mostly 0 and entropy-codes to almost nothing. B is the

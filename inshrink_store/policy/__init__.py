@@ -1,4 +1,5 @@
 """The method: sketch, approximate k-means, prune/protect/quantize, configuration search.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 numpy only here (a CuPy path plugs in below the same functions through their ``xp``
 argument); this layer decides *what* to store, the repository below decides *how*.

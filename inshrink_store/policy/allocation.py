@@ -1,4 +1,5 @@
 """Allocation: per-tensor codebook sizes chosen for a size target or an error target.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 ``repo.save(state, quantize=Allocation(target_ratio=12))`` stores the tensors a
 :class:`~inshrink_store.policy.config.QuantConfig` would quantize, each with the number of

@@ -1,4 +1,5 @@
 """The candidates of one checkpoint: each configuration's ratio, and its plans when asked.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 :class:`CandidatePlanner` quantizes every eligible tensor under one configuration at
 once and returns a :class:`PlanSet` with its measured ratio; it is a repository planner

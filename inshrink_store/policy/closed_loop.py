@@ -1,5 +1,6 @@
 """Closed-loop versions of the model's weights: each a quantized residual against what the
 store holds for the previous version.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Why: quantizing every version's weights afresh (open loop) hands a lossy restore the full
 quantization error of a few levels, and restores add it up. Here a float32 weight tensor

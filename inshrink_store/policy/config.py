@@ -1,4 +1,5 @@
 """QuantConfig: one point of the configuration cube (bins x prune x metric x protect).
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 A frozen, JSON-native value: it is stored in each version's metadata (so a resumed
 run or an import continues with the same settings) and it is the key the search

@@ -1,4 +1,5 @@
 """A candidate's stored bytes estimated from a sample of each tensor, without quantizing the model.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Why: the search ranks every configuration it looks at by compression ratio, but it
 evaluates only a few of them. Measuring a ratio used to mean quantizing the whole model,

@@ -1,4 +1,5 @@
 """Approximate weighted 1-D k-means over sketch buckets: a codebook in milliseconds.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Clustering a few thousand bucket representatives instead of millions of weights is
 what ALGORITHM.md §2 calls approximate k-means. Each bucket weighs

@@ -1,4 +1,5 @@
 """Adam's moments stored lossy, judged by the update they drive (ExCP-style, with a guard).
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Why: Adam keeps two moments per weight, so once the weights shrink 25x the lossless
 moments are ~95 % of a checkpoint. Following ExCP (Li et al., ICML 2024) the moments are

@@ -1,4 +1,5 @@
 """Prune / protect / quantize a whole state: ALGORITHM.md §1 on numpy arrays.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Protect the union of the top ``protect`` fraction by magnitude and by sensitivity
 (``|g*w|``), prune the lowest ``prune`` fraction by one metric with one threshold

@@ -1,4 +1,5 @@
 """From a configuration to per-tensor storage plans the repository writes (ArrayPlan), lazily.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Chooses which tensors are quantized (floating, >= 2-D, >= ``min_numel`` elements, under
 ``model/`` when the state has a model part: optimizer state stays lossless by default),

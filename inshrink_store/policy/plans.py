@@ -1,4 +1,5 @@
 """PlanSet: one configuration's plans for one state, made once, with what was measured.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 The search quantizes a candidate, measures its stored size, maybe evaluates it, and
 writes the winner; all of these read the same plans. A PlanSet carries them together

@@ -1,4 +1,5 @@
 """What each codebook size would cost one tensor, in bytes and in error, and the cheapest mix.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 One configuration for the whole model spends the same levels on every tensor, although the
 tensors differ: a wide convolution holds most of the bytes, a small projection holds few, and

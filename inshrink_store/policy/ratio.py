@@ -1,4 +1,5 @@
 """How many bytes a state's tensors take in the store, measured by encoding them.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 The search ranks candidate configurations by ratios estimated without encoding
 (:mod:`inshrink_store.policy.estimate`); this module is the measurement that the

@@ -1,4 +1,5 @@
 """QuantizationRecord: what a version's ``metadata["quantization"]`` says, as a typed value.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 The Checkpointer writes one per version; ``restore`` continues the search from its
 configuration, and ``inshrink log`` and the demo report it. Reading goes through

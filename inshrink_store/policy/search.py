@@ -1,4 +1,5 @@
 """Dynamic configuration search: the highest measured ratio the model still tolerates.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 ALGORITHM.md §3, explained in docs/understanding/search.md. Evaluating the dequantized
 model is the expensive step, so the search spends its ``is_feasible`` calls where they

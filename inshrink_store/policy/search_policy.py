@@ -1,4 +1,5 @@
 """SearchPolicy: how a checkpoint's configuration is chosen, and what it takes to store it.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 The policy owns every decision about *what* a checkpoint stores: the search space, the
 acceptance rule (``tolerance`` relative to the unquantized quality, ``higher_is_better``),

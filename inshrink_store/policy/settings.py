@@ -1,4 +1,5 @@
 """QuantSettings: what quantizing a state reads from a configuration, as a Protocol.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 The quantizing modules (``partition``, ``planner``) depend on these attributes only, not on
 :class:`~inshrink_store.policy.config.QuantConfig`, so ``QuantConfig`` can be a repository

@@ -1,4 +1,5 @@
 """Log-space quantile sketch (DDSketch style) over weights: thresholds and k-means input.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``.
 
 Keys are ``ceil(log_gamma |x|)`` with ``gamma = (1 + alpha) / (1 - alpha)``; every value in
 bucket ``i`` lies in ``(gamma^(i-1), gamma^i]`` and is within relative error ``alpha`` of

@@ -1,4 +1,5 @@
 """Test helpers that ship with inshrink-store: hypothesis strategies and a codec checker.
+Layer: none: test helpers outside the layers, importing only ``dtypes`` and ``codecs``.
 
 Use them to property-test the project's codecs and your own
 (``docs/guides/testing-your-codec.md``)::

@@ -1,4 +1,5 @@
 """``check_codec_roundtrip``: the one check every codec, ours or a user's, should pass.
+Layer: none: test helpers outside the layers, importing only ``dtypes`` and ``codecs``.
 
 It follows numcodecs' own shared codec test (config through JSON and the registry,
 every buffer type, ``out=``) and adds what a lossy codec owes its readers: identical

@@ -1,4 +1,5 @@
 """Hypothesis strategies for float tensors and ``inshrink.nuq`` configurations.
+Layer: none: test helpers outside the layers, importing only ``dtypes`` and ``codecs``.
 
 bfloat16 has no numpy dtype: such samples carry uint16 bit patterns and say
 ``dtype == "bfloat16"``; :attr:`FloatSample.values` gives any sample as float32.

@@ -1,4 +1,5 @@
 """The PyTorch boundary: the only package of inshrink-store that imports torch.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 ``save_state`` / ``load_state`` move nested state dicts in and out of a repository
 bit-exact; ``Checkpointer`` runs dynamic quantization from a training loop, keeps what

@@ -1,4 +1,5 @@
 """``inshrink demo``: a real small training run checkpointing through the Checkpointer.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 Trains an MLP on scikit-learn's bundled handwritten digits on the CPU, checkpoints every
 ``every`` steps into a local store with the dynamic search, simulates a failure,

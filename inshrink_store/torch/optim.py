@@ -1,4 +1,5 @@
 """What a MomentPolicy needs to know about a torch optimizer beyond its tensors.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 A state dict numbers parameters (``state[3]``) in the order of its ``param_groups``; joint
 pruning needs the model path behind each number (only the live model and optimizer know

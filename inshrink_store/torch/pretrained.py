@@ -1,4 +1,5 @@
 """A version as a folder ``transformers``' ``from_pretrained`` loads (``inshrink export --format hf``).
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 What ``save_pretrained`` writes, and only that: ``model.safetensors`` (the model's state dict
 by its own keys, without the store's ``model/``; weights the model ties once; ``{"format":

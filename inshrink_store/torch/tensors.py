@@ -1,4 +1,5 @@
 """torch tensors and nested state dicts <-> numpy arrays the store writes, bit-exact.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 zarr has no bfloat16 or float8: BF16 tensors travel as uint16 bit patterns, float8 ones as
 uint8, with their logical dtype recorded (``attributes.inshrink.dtype == "BF16"``). A numpy
