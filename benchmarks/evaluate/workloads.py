@@ -394,12 +394,14 @@ def finetune(steps: int, checkpoints: int, layers: int = 6) -> Workload:
                     "accuracy", steps, checkpoints)
 
 
-def all_workloads(quick: bool, finetune_quick: bool = False) -> list[Workload]:
+def all_workloads(quick: bool, finetune_quick: bool = False, finetune_full: bool = True) -> list[Workload]:
     """The four workloads at full size (the first three a minute or two of training each on one
     core; the fine-tune's 20 versions of a 22.6 M-parameter state take most of the evaluation's
     time), or tiny: the first three, and the fine-tune only with ``finetune_quick`` (2 of its 6
-    layers, 3 checkpoints; still minutes, since its 11.7 M-parameter word embeddings stay whole)."""
+    layers, 3 checkpoints; still minutes, since its 11.7 M-parameter word embeddings stay whole).
+    ``finetune_full=False`` leaves the fine-tune out of the full-size list (``--no-finetune``)."""
     if quick:
         tiny = [cnn(24, 3), lm(24, 3), transfer(24, 3, pretrain_steps=24)]
         return tiny + ([finetune(6, 3, layers=2)] if finetune_quick else [])
-    return [cnn(720, 24), lm(960, 24), transfer(480, 24, pretrain_steps=960), finetune(100, 20)]
+    full = [cnn(720, 24), lm(960, 24), transfer(480, 24, pretrain_steps=960)]
+    return full + ([finetune(100, 20)] if finetune_full else [])
