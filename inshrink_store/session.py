@@ -13,28 +13,35 @@ trees, snapshot, the fence, then the ref; a crash anywhere leaves only garbage.
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import zarr
+from zarr.storage import MemoryStore
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store import leases
 from inshrink_store import residual as residual_module
 from inshrink_store.codecs.nuq import quantizer
-from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
+from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError, NotFoundError
 from inshrink_store.history import SnapshotInfo
-from inshrink_store.index import SnapshotIndex
-from inshrink_store.layout import snapshot_path, tree_path
+from inshrink_store.index import METADATA_KEY, Entry, SnapshotIndex
+from inshrink_store.layout import check_id, object_path, snapshot_path, tree_path
 from inshrink_store.manifest import NodeTree, RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parallel import map_in_order
 from inshrink_store.parts import StoreParts
 from inshrink_store.plans import ArrayPlan, Planner, Quantize, check_quantize
 from inshrink_store.residual import META_KEY, ResidualArray, ResidualRef, ResidualWriter
-from inshrink_store.writer import prepare_arrays, previous_codecs, write_arrays
+from inshrink_store.writer import check_path, prepare_arrays, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
 Progress = Callable[[str, int, int], None]
+#: chunk keys taken without splitting them into parts: ``c/0/1`` (zarr v3's default), ``0.1``
+_PLAIN_CHUNK_KEY = re.compile(r"c(?:/[0-9]+)*|[0-9]+(?:\.[0-9]+)*")
 #: attempts at a rebased commit before giving up (each lost race re-reads the head)
 MAX_REBASES = 8
 #: node trees a commit writes at once (small documents: the requests wait, not the cores)
@@ -143,6 +150,103 @@ class WriteSession:
         here; a caller that planned already passes its plans to :meth:`write` instead)."""
         arrays, names = prepare_arrays(tensors, dtypes)
         return planner.plan(arrays, names, previous_codecs(self.parent_view))
+
+    def stage_array(self, path: str, metadata: bytes, chunk_ids: Mapping[str, str], *,
+                    check_stored: bool = True) -> None:
+        """Put array ``path`` into this version from objects already stored: what another
+        process wrote, e.g. the shards each rank of a ``torch.distributed.checkpoint`` save
+        writes while only the coordinator holds this session.
+
+        ``metadata``: the array's zarr.json, a zarr v3 array document, kept byte for byte as
+        given. ``chunk_ids``: each chunk's key relative to the array (``c/0/0``) -> the id of
+        the stored object holding it, as :meth:`~inshrink_store.zarr_store.PendingChunks.node`
+        gives them. Whatever this version held at ``path`` is replaced (as :meth:`write`
+        replaces it), and each group above it that this version lacks gets an empty group's
+        zarr.json (as :meth:`stage_group` writes it).
+
+        ``check_stored``: ask storage that each object exists before the version may name it
+        (a request per object on an object store); a caller that stored or found the objects
+        itself under this session's lease (the DCP coordinator, whose ranks did) passes False.
+
+        Everything is checked before anything is staged, so an error leaves this session as
+        it was: ``path`` as a tensor name is checked for :meth:`write`, each chunk key as a
+        relative path, each id as 32 lowercase hex digits (InvalidInputError naming the array
+        and the chunk); a missing object is a NotFoundError."""
+        self._require_open()
+        path = _check_node_path(path, "array")
+        doc = _node_document(path, metadata)
+        if doc.get("node_type") != "array":
+            raise InvalidInputError(
+                f"Expected the zarr.json of array {path!r} to be a zarr v3 array document (node_type 'array'). "
+                f"Got node_type {doc.get('node_type')!r} instead; nothing was staged.")
+        if not isinstance(chunk_ids, Mapping):
+            raise InvalidInputError(
+                f"Expected the chunk ids of array {path!r} as a mapping (chunk key -> object id). Got "
+                f"{type(chunk_ids).__name__} instead; nothing was staged.")
+        chunks = {_check_chunk_key(path, key): _check_object_id(path, key, oid) for key, oid in chunk_ids.items()}
+        groups = self._missing_groups(path, "array")
+        if check_stored:
+            storage = self._parts.storage
+            for key, oid in sorted(chunks.items()):
+                if not storage.exists_durably(object_path(oid)):
+                    raise NotFoundError(
+                        f"Expected chunk {key!r} of array {path!r} to name a stored object. Got {oid}, which this "
+                        "store does not hold, instead: store the objects before staging the array; nothing was "
+                        "staged.")
+        staged = {f"{group}/{METADATA_KEY}" if group else METADATA_KEY: Entry(inline=_group_document({}))
+                  for group in groups}
+        staged[f"{path}/{METADATA_KEY}"] = Entry(inline=bytes(metadata))
+        staged.update({f"{path}/{key}": Entry(oid=oid) for key, oid in chunks.items()})
+        self.view.delete_prefix(f"{path}/")
+        self.view.entries.update(staged)
+
+    def stage_group(self, path: str, attributes: Mapping[str, Any] | None = None) -> None:
+        """Put group ``path`` (``""``: the root group) into this version with these attributes:
+        its zarr.json as zarr itself writes it (indented, byte for byte what
+        ``zarr.create_group`` stores), replacing the group's document, never its members.
+        Each group above it that this version lacks gets an empty group's zarr.json.
+
+        ``path`` is checked as for :meth:`stage_array`; a path where this version holds an
+        array, or below one, and attributes zarr cannot store as JSON are InvalidInputErrors
+        naming the path, and stage nothing."""
+        self._require_open()
+        path = _check_node_path(path, "group") if path != "" else path
+        if attributes is not None and not isinstance(attributes, Mapping):
+            raise InvalidInputError(
+                f"Expected the attributes of group {path!r} as a mapping. Got {type(attributes).__name__} instead; "
+                "nothing was staged.")
+        try:
+            document = _group_document(dict(attributes or {}))
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(
+                f"Expected attributes zarr stores as JSON for group {path!r}. Got {type(exc).__name__}: {exc} "
+                "instead; nothing was staged.") from None
+        groups = self._missing_groups(path, "group")
+        own = f"{path}/{METADATA_KEY}" if path else METADATA_KEY
+        if _node_type(self.view.entries.get(own)) == "array":
+            raise InvalidInputError(
+                f"Expected group {path!r} where this version holds no array. Got an array there instead; "
+                "stage_array replaces an array, stage_group never does. Nothing was staged.")
+        staged = {f"{group}/{METADATA_KEY}" if group else METADATA_KEY: Entry(inline=_group_document({}))
+                  for group in groups}
+        staged[own] = Entry(inline=document)
+        self.view.entries.update(staged)
+
+    def _missing_groups(self, path: str, kind: str) -> list[str]:
+        """The groups above ``path`` (the root first) this version has no zarr.json for;
+        InvalidInputError if one of them is an array (no node can be inside an array)."""
+        parts = path.split("/") if path else []
+        missing = []
+        for cut in range(len(parts)):
+            group = "/".join(parts[:cut])
+            entry = self.view.entries.get(f"{group}/{METADATA_KEY}" if group else METADATA_KEY)
+            if entry is None:
+                missing.append(group)
+            elif group and _node_type(entry) == "array":  # the root, a group (its document may be large)
+                raise InvalidInputError(
+                    f"Expected {kind} {path!r} to be below groups only. Got array {group!r} above it instead; "
+                    "nothing was staged.")
+        return missing
 
     def commit(
         self,
@@ -290,6 +394,96 @@ class WriteSession:
         for entries in merged_nodes.values():
             merged.entries.update(entries)
         return self._write_trees(merged)
+
+
+def _check_node_path(path: str, kind: str) -> str:
+    """``path`` checked as :meth:`WriteSession.write` checks a tensor name, the error naming
+    the node: no empty, ``.``, ``..``, ``__*`` or zarr.json part, no backslash."""
+    try:
+        return check_path(path)
+    except InshrinkError as exc:
+        raise InvalidInputError(
+            f"Expected a {kind} path to stage that is a valid tensor name. Got {path!r}: {exc} Nothing was "
+            "staged.") from None
+
+
+def _node_document(path: str, metadata: bytes) -> dict[str, Any]:
+    """The zarr.json ``metadata`` of node ``path`` parsed: a JSON object of zarr format 3."""
+    if not isinstance(metadata, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(
+            f"Expected the zarr.json of array {path!r} as bytes. Got {type(metadata).__name__} instead; "
+            "nothing was staged.")
+    try:
+        doc = json.loads(bytes(metadata))
+    except (ValueError, RecursionError) as exc:
+        raise InvalidInputError(
+            f"Expected the zarr.json of array {path!r} to be a JSON document. Got {bytes(metadata)[:60]!r} "
+            f"({type(exc).__name__}) instead; nothing was staged.") from None
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+        got = f"zarr_format {doc.get('zarr_format')!r}" if isinstance(doc, dict) else type(doc).__name__
+        raise InvalidInputError(
+            f"Expected the zarr.json of array {path!r} to be a zarr v3 document (zarr_format 3). Got {got} "
+            "instead; nothing was staged.")
+    return doc
+
+
+def _check_chunk_key(path: str, key: Any) -> str:
+    """A chunk key relative to its array (``c/0/0``, ``0.0``): '/'-separated parts, none empty,
+    ``.``, ``..`` or zarr.json, no backslash (it must name a key inside the array)."""
+    if isinstance(key, str) and _PLAIN_CHUNK_KEY.fullmatch(key):
+        return key  # zarr's default and v2-style keys, without splitting (a DCP save has many)
+    if (not isinstance(key, str) or not key
+            or any(part in ("", ".", "..", METADATA_KEY) or "\\" in part for part in key.split("/"))):
+        raise InvalidInputError(
+            f"Expected the chunk keys of array {path!r} to be paths inside it (e.g. 'c/0/0'). Got {key!r} "
+            "instead; nothing was staged.")
+    return key
+
+
+def _check_object_id(path: str, key: str, oid: Any) -> str:
+    """``oid`` if :func:`~inshrink_store.layout.check_id` takes it as an object id."""
+    try:
+        return check_id(oid, "object", f"chunk {key!r} of array {path!r}", InvalidInputError)
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"Expected chunk {key!r} of array {path!r} to name a stored object by its id (32 lowercase hex "
+            f"digits). Got {oid!r:.80} instead; nothing was staged.") from None
+
+
+def _group_document(attributes: Mapping[str, Any]) -> bytes:
+    """The zarr.json of a group with these attributes, as ``zarr.create_group`` writes it."""
+    if not attributes:
+        return _empty_group_document()
+    written: dict[str, Any] = {}
+    zarr.create_group(store=MemoryStore(store_dict=written), attributes=dict(attributes))
+    return bytes(written[METADATA_KEY].to_bytes())
+
+
+@functools.cache
+def _empty_group_document() -> bytes:
+    written: dict[str, Any] = {}
+    zarr.create_group(store=MemoryStore(store_dict=written), attributes={})
+    return bytes(written[METADATA_KEY].to_bytes())
+
+
+def _node_type(entry: Entry | None) -> str | None:
+    """``node_type`` of the zarr.json held in ``entry`` (None when there is none or it is not
+    inline JSON). Small documents are parsed once: every shard staged below a group asks."""
+    if entry is None or entry.inline is None:
+        return None
+    if len(entry.inline) <= 4096:
+        return _small_node_type(entry.inline)
+    return _small_node_type.__wrapped__(entry.inline)
+
+
+@functools.lru_cache(maxsize=256)
+def _small_node_type(inline: bytes) -> str | None:
+    try:
+        doc = json.loads(inline)
+    except (ValueError, RecursionError):
+        return None
+    found = doc.get("node_type") if isinstance(doc, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def _node_ids(objects: Any, root: RootTree | str) -> dict[str, str]:

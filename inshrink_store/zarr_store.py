@@ -218,6 +218,13 @@ class SortedEntries(dict[str, Entry]):
         """Every key, sorted (a copy)."""
         return list(self._order)
 
+    def keys_under(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix``, sorted (found by bisection)."""
+        start = end = bisect.bisect_left(self._order, prefix)
+        while end < len(self._order) and self._order[end].startswith(prefix):
+            end += 1
+        return self._order[start:end]
+
     def delete_under(self, prefix: str) -> None:
         """Remove every key that starts with ``prefix``."""
         start = bisect.bisect_left(self._order, prefix)
@@ -309,6 +316,28 @@ class PendingChunks:
     def delete(self, key: str) -> None:
         with self._lock:
             self.entries.pop(key, None)
+
+    def node(self, path: str) -> tuple[bytes | None, dict[str, str]]:
+        """Node ``path`` as this view holds it: its zarr.json text (None when it has none) and
+        its chunk object ids (key relative to ``path``, e.g. ``c/0/0`` -> id), without the keys
+        of nodes below it (a group's members): what
+        :meth:`~inshrink_store.session.WriteSession.stage_array` takes to put the node into
+        another version. Keys are found by bisection, so asking about each of many arrays
+        costs a lookup each, not a pass over every key."""
+        prefix = f"{path}/" if path else ""
+        with self._lock:
+            found = {key: self.entries[key] for key in self.entries.keys_under(prefix)}
+        nodes = {path} | {posixpath.dirname(key) for key in found if posixpath.basename(key) == METADATA_KEY}
+        metadata, chunks = None, {}
+        for key, entry in found.items():
+            is_doc = posixpath.basename(key) == METADATA_KEY
+            if (posixpath.dirname(key) if is_doc else _node_of(key, nodes)) != path:
+                continue  # a key of a node below this one
+            if is_doc and entry.inline is not None:
+                metadata = entry.inline
+            elif entry.oid is not None:
+                chunks[key[len(prefix):]] = entry.oid
+        return metadata, chunks
 
     def adopt_from_parent(self, path: str) -> bool:
         """Take array ``path`` as the parent stores it (its zarr.json, every chunk id, and the
