@@ -55,7 +55,7 @@ from inshrink_store.refs import check_name
 from inshrink_store.repository import Repository
 from inshrink_store.repository import open as open_repo
 from inshrink_store.residual import MAX_KEEP_NEWEST
-from inshrink_store.structure import flatten
+from inshrink_store.structure import METADATA_KEY, flatten
 from inshrink_store.torch.checkpointer import _OtherBranchesKept
 from inshrink_store.torch.tensors import load_state, save_state, torch
 
@@ -103,7 +103,7 @@ def _escape_key(key: Any) -> Any:
     percent-encoding; every other key is kept, so the common case stays readable."""
     if not isinstance(key, str):
         return key
-    if (key in ("", ".", "..", "zarr.json") or key.startswith(("__", "%")) or "/" in key
+    if (key in ("", ".", "..", METADATA_KEY) or key.startswith(("__", "%")) or "/" in key
             or "\\" in key):
         return "%" + quote(key, safe="")
     return key

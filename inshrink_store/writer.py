@@ -70,7 +70,7 @@ def check_path(path: str) -> str:
     if not isinstance(path, str) or not path:
         raise FormatError(f"Expected a non-empty tensor name. Got {path!r} instead.")
     for part in path.split("/"):
-        if part in ("", ".", "..") or part.startswith("__") or "\\" in part or part == "zarr.json":
+        if part in ("", ".", "..") or part.startswith("__") or "\\" in part or part == METADATA_KEY:
             raise FormatError(
                 f"Expected tensor name {path!r} to have no empty, '.', '..', '__*' or 'zarr.json' "
                 f"parts and no backslash. Got the part {part!r} instead; rename the tensor."

@@ -36,6 +36,7 @@ from inshrink_store import dtypes
 from inshrink_store.cas import ELEMENTS, keyframe_body
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
+from inshrink_store.index import METADATA_KEY
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.writer import create_array, lossless_codecs
 
@@ -51,7 +52,7 @@ def lossless_bytes(array: np.ndarray, dtype: str | None = None) -> int:
     codec_name = dtypes.of_array(array, dtype).codec_name
     element = codec_name if codec_name in ELEMENTS and lossless_codecs(array, dtype)["compressors"] is None else None
     return sum(len(keyframe_body(value.to_bytes(), element)[1])
-               for key, value in written.items() if not key.endswith("zarr.json"))
+               for key, value in written.items() if not key.endswith(METADATA_KEY))
 
 
 def quantized_bytes(plan: ArrayPlan) -> int:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from inshrink_store import dtypes as registry
+from inshrink_store.codecs import nuq
 from inshrink_store.codecs._payload import PROTECTED_CODES
 
 #: the element dtypes of the ``inshrink.nuq`` codec, as the dtype registry names them
@@ -102,7 +103,7 @@ def nuq_configs(draw: st.DrawFn, dtype: str | None = None,
                 tolerances: tuple[float | str, ...] = (0.0, 0.01, 0.5, "inf")) -> dict[str, Any]:
     """Valid ``inshrink.nuq`` numcodecs configurations (``numcodecs.get_codec`` accepts them)."""
     return {
-        "id": "inshrink.nuq",
+        "id": nuq.CODEC_ID,
         "codebook": draw(codebooks()),
         "tolerance": draw(st.sampled_from(list(tolerances))),
         "protected_dtype": draw(st.sampled_from(list(PROTECTED_CODES))),
