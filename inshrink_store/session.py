@@ -1,4 +1,5 @@
 """The write session: one writable version, committed once, owning its writer lease.
+Layer: write session, below admin, the facade and ``torch/dcp``; above ``parts``.
 
 Use it as a context manager: it commits nothing by itself, aborts (releases the lease)
 on an error, and refuses a second commit::

@@ -1,4 +1,5 @@
 """A zarr v3 ``Store`` over one snapshot (read-only) or one pending transaction (writable).
+Layer: zarr view (``zarr_store`` | ``whole_read`` | ``plans``), above the snapshot index.
 
 Zarr sees a flat key -> bytes mapping; underneath, every value is a content-addressed
 object (chunks) or inline text in a node tree (``zarr.json``). Because the store,
