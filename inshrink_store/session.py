@@ -498,7 +498,8 @@ def _node_ids(objects: Any, root: RootTree | str) -> dict[str, str]:
 def _by_node(entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Store keys grouped by the zarr node they belong to ('' is the root group): the
     deepest ``<node>/zarr.json`` above each key."""
-    nodes = {k[: -len("zarr.json")].rstrip("/") for k in entries if k == "zarr.json" or k.endswith("/zarr.json")}
+    nodes = {k[: -len(METADATA_KEY)].rstrip("/") for k in entries
+             if k == METADATA_KEY or k.endswith("/" + METADATA_KEY)}
     out: dict[str, dict[str, Any]] = {}
     for key, entry in entries.items():
         node = key.rsplit("/", 1)[0] if "/" in key else ""

@@ -38,12 +38,7 @@ HOMES: dict[str, str] = {
 #: (module, name) re-spellings left in modules this change did not edit. Remove a row when
 #: its module imports the constant; the test fails on a row whose module still exists and no
 #: longer re-spells the name.
-ALLOWED: set[tuple[str, str]] = {
-    # TODO issue 34: inshrink_store/session.py and torch/dcp_format.py are being changed by the
-    # DCP staging work (node keys; reserved tensor-name components)
-    ("session.py", "zarr.json"),
-    ("torch/dcp_format.py", "zarr.json"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -34,11 +34,12 @@ from inshrink_store.dcp_document import (
     ValueEntry,
     plain_value,
 )
+from inshrink_store.structure import METADATA_KEY
 
 __all__ = ["DOC_ATTR", "FORMAT", "INLINE_LIMIT", "Chunk", "DcpDocument", "TensorEntry", "ValueEntry", "bytes_path",
            "fqn_component", "plain_value", "shard_path"]
 
-_RESERVED = ("", ".", "..", "zarr.json")
+_RESERVED = ("", ".", "..", METADATA_KEY)
 
 
 # -- names ------------------------------------------------------------------------------------
