@@ -1,4 +1,5 @@
 """Storage: one URL -> one rooted filesystem with the few operations the store needs.
+Layer: codecs, storage and structure (siblings, none importing another), above the helpers.
 
 The store only ever needs: read a file (or a byte range of it), write a
 content-addressed file (idempotent, so a plain overwrite is safe), create a file

@@ -1,4 +1,5 @@
 """The one atomic-write helper for local disks: a fsynced temp file, then into place.
+Layer: storage (with codecs and structure), above the helpers.
 
 ``replace`` (``os.replace``) gives an atomic overwrite; ``exclusive`` (``os.link``)
 gives an atomic create that fails if the name exists. Either way a crash leaves at

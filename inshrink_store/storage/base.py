@@ -1,5 +1,6 @@
 """The :class:`Storage` protocol, and :class:`FsspecStorage`: what every backend shares
 (fsspec underneath, rooted paths).
+Layer: storage (with codecs and structure), above the helpers.
 
 This module knows no backend: the backends (``local``, ``memory``, ``remote``) subclass
 :class:`FsspecStorage` here, and :func:`inshrink_store.storage.open_storage` picks one for a
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import fsspec
 
@@ -216,11 +217,11 @@ class FsspecStorage:
     # -- the protocol ----------------------------------------------------------------------
     def read(self, path: str) -> bytes:
         """Whole file; ``FileNotFoundError`` if absent."""
-        return self._call("read", path, lambda: self.fs.cat_file(self._full(path)))
+        return self._call("read", path, lambda: cast(bytes, self.fs.cat_file(self._full(path))))
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of a file (fewer if it is shorter); one ranged request."""
-        return self._call("read", path, lambda: self.fs.cat_file(self._full(path), start=start, end=end))
+        return self._call("read", path, lambda: cast(bytes, self.fs.cat_file(self._full(path), start=start, end=end)))
 
     def size(self, path: str) -> int:
         """Bytes of the file ``path``; FileNotFoundError if absent (callers ask about files only)."""

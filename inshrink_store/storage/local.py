@@ -1,4 +1,6 @@
-"""A store on a local (or mounted) disk."""
+"""A store on a local (or mounted) disk.
+Layer: storage (with codecs and structure), above the helpers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A store in this process's memory (``memory://``): fast tests, nothing durable."""
+"""A store in this process's memory (``memory://``): fast tests, nothing durable.
+Layer: storage (with codecs and structure), above the helpers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """A store on an object store through fsspec (S3, GCS, ...).
+Layer: storage (with codecs and structure), above the helpers.
 
 Writes of whole objects are atomic on every object store; exclusive create is a
 conditional put (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) through
@@ -9,7 +10,7 @@ conditional put (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) through
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 from inshrink_store.errors import NotFoundError, StorageError
 from inshrink_store.storage.base import FsspecStorage, protocol_of
@@ -43,7 +44,7 @@ class ObjectStorage(FsspecStorage):
         self._whole_read: dict[str, Any] = {"max_concurrency": 1} if "max_concurrency" in takes else {}
 
     def read(self, path: str) -> bytes:
-        return self._call("read", path, lambda: self.fs.cat_file(self._full(path), **self._whole_read))
+        return self._call("read", path, lambda: cast(bytes, self.fs.cat_file(self._full(path), **self._whole_read)))
 
     def exists(self, path: str) -> bool:
         """One ranged GET of the first byte. fsspec's ``exists`` HEADs the key and, when it

@@ -1,4 +1,5 @@
 """DistributedCheckpointer: the Checkpointer's decision with DCP's sharded writes, one call site.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 In a DDP or FSDP loop every rank calls :meth:`DistributedCheckpointer.save` with the same
 step. Rank 0 decides how to store the model: the configuration search of

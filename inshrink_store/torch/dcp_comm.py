@@ -1,4 +1,5 @@
 """JSON between the ranks of a process group, failures shared, no pickle.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 DCP moves its own plans with torch's object collectives (pickle). What this package adds
 to a distributed save (each rank's sketch counts, the configuration rank 0 chose) travels

@@ -1,5 +1,6 @@
 """What a DCP checkpoint is in the store: array names, the JSON document of DCP's metadata,
 and plain Python values as JSON. No pickle is written, and none is ever read.
+Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
 
 Layout of one version saved through :class:`~inshrink_store.torch.dcp.InshrinkStorageWriter`:
 
