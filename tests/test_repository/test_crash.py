@@ -106,17 +106,17 @@ def test_sigkill_at_random_times(tmp_path: Path) -> None:
     for i in range(15):
         url = str(tmp_path / f"k{i}")
         ins.init(url)
-        proc = subprocess.Popen(
+        with subprocess.Popen(  # closes its stdout pipe when done (no ResourceWarning)
             [sys.executable, str(CHILD), "crash", url, str(SEED), "10000", "before"],
             stdout=subprocess.PIPE, text=True,
-        )
-        try:
-            proc.wait(timeout=rng.uniform(0.5, 2.5))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert proc.stdout is not None
-        committed = [json.loads(line)["committed"] for line in proc.stdout.read().splitlines()]
+        ) as proc:
+            try:
+                proc.wait(timeout=rng.uniform(0.5, 2.5))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            committed = [json.loads(line)["committed"] for line in proc.stdout.read().splitlines()]
         _check_after_crash(url, committed)
         np.testing.assert_array_equal(ins.open(url).load()["step"], np.array(7))
 

@@ -229,17 +229,18 @@ def test_a_killed_gc_on_this_machine_blocks_no_commit(memory_url: str, local_url
         "held, _ = leases.acquire_gc(open_storage(sys.argv[1])); print(held.path, flush=True); time.sleep(600)\n"
     )
     # the child sleeps far longer than the test can take (it is killed): alive while refused
-    child = subprocess.Popen([sys.executable, "-c", code, local_url], stdout=subprocess.PIPE, text=True)
-    try:
-        path = child.stdout.readline().strip()
-        assert path.startswith(leases.GC)
-        with pytest.raises(ins.GcRunningError):
-            repo.save(_state(1), gc_wait=0)  # alive: refused
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        child.kill()
-        child.wait()
+    # (as a context manager: its stdout pipe is closed when done, not left to the collector)
+    with subprocess.Popen([sys.executable, "-c", code, local_url], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            path = child.stdout.readline().strip()
+            assert path.startswith(leases.GC)
+            with pytest.raises(ins.GcRunningError):
+                repo.save(_state(1), gc_wait=0)  # alive: refused
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+        finally:
+            child.kill()
+            child.wait()
     waits: list[str] = []
     before = clock.now
     assert repo.save(_state(1), gc_wait=0, on_wait=waits.append).parent == head  # dead: at once
