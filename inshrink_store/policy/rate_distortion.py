@@ -167,7 +167,7 @@ def allocate(options: Mapping[str, Sequence[Option]], *, budget_bytes: float | N
     for name, h in hulls.items():
         if not h:
             raise FormatError(f"Expected at least one option for tensor {name!r}. Got none instead.")
-    pick = {name: 0 for name in hulls}
+    pick = dict.fromkeys(hulls, 0)
     steps = []  # (-(cost removed per byte), name, index it moves to): best first, ties by name
     for name, h in hulls.items():
         for i in range(1, len(h)):

@@ -193,7 +193,7 @@ def _le(a: Index, b: Index) -> bool:
     return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2]
 
 
-class _OutOfBudget(Exception):
+class _OutOfBudgetError(Exception):
     """The evaluation budget is spent: the search stops with the best point it evaluated."""
 
 
@@ -225,7 +225,7 @@ class _Evaluator:
         """Really run ``is_feasible`` (once per point)."""
         if p not in self.answers:
             if self.budget is not None and len(self.answers) >= self.budget:
-                raise _OutOfBudget
+                raise _OutOfBudgetError
             ratio = self.ratio(p)  # first, so the trial keeps its first-touch slot
             ok, quality = self.is_feasible(p)
             self.answers[p] = bool(ok)
@@ -357,6 +357,6 @@ def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[
             mode = "fallback"
         for metric in metrics:
             _guided(ev, metric)
-    except _OutOfBudget:
+    except _OutOfBudgetError:
         return SearchResult(ev.best, ev.trials, "budget")
     return SearchResult(ev.best, ev.trials, mode)
