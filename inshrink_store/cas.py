@@ -281,7 +281,8 @@ class ObjectStore:
         return {"storage": self.storage, "interval": self.keyframe_interval, "cache": self._cache.max_bytes}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(state["storage"], state["interval"], state["cache"])  # type: ignore[misc, arg-type]
+        # __init__ on an instance, as unpickling needs (mypy calls that unsound in general)
+        self.__init__(state["storage"], state["interval"], state["cache"])  # type: ignore[misc]
 
     # -- writing ---------------------------------------------------------------------
     def put(self, payload: bytes | memoryview, base: str | None = None, element: str | None = None,

@@ -18,7 +18,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from inshrink_store.errors import FormatError, IntegrityError, InvalidInputError
 from inshrink_store.structure import flatten, unflatten
@@ -239,7 +239,7 @@ def _storage_meta(doc: Any, where: str) -> Mapping[str, Any] | None:
                  where)
     _require(all(isinstance(m, str) for m in doc.get("modules") or []), "storage_meta.modules a list of str",
              doc.get("modules"), where)
-    return doc
+    return cast(Mapping[str, Any], doc)  # a dict of str keys, checked above
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from numbers import Real
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inshrink_store.errors import InvalidInputError, NotFoundError, require
 from inshrink_store.repository import open as open_repository
@@ -71,7 +71,10 @@ from inshrink_store.torch import Checkpointer, RNGState, config_json, load_state
 
 transformers = require("transformers", "hf")
 require("accelerate", "hf")  # the Trainer's own dependency: refused without it, name our extra
-_TrainerCallback: Any = transformers.TrainerCallback
+if TYPE_CHECKING:
+    from transformers import TrainerCallback as _TrainerCallback
+else:
+    _TrainerCallback = transformers.TrainerCallback
 
 log = logging.getLogger(__name__)
 

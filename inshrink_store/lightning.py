@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -60,7 +60,10 @@ from inshrink_store.torch.checkpointer import _OtherBranchesKept
 from inshrink_store.torch.tensors import load_state, save_state, torch
 
 #: Lightning's base class (``lightning.pytorch.plugins.io.CheckpointIO`` is the same class)
-CheckpointIO: Any = require("lightning.fabric.plugins.io.checkpoint_io", "lightning").CheckpointIO
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+else:
+    CheckpointIO = require("lightning.fabric.plugins.io.checkpoint_io", "lightning").CheckpointIO
 _cloud = require("lightning.fabric.utilities.cloud_io", "lightning")
 
 log = logging.getLogger(__name__)
@@ -78,7 +81,7 @@ def path_key(path: Any) -> str:
     """The text a checkpoint path is known by: absolute and normalised for a local path (so
     ``ckpt_path="checkpoints/last.ckpt"`` finds what ModelCheckpoint saved by its absolute
     name), as given for a URL."""
-    text = os.fspath(path)
+    text: str | bytes = os.fspath(path)
     if not isinstance(text, str):
         text = text.decode()
     return text if "://" in text else os.path.normpath(os.path.abspath(text))
@@ -149,7 +152,8 @@ def _module_metadata(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(found, Mapping):
         return None
     try:
-        return json.loads(json.dumps({str(k): dict(v) for k, v in found.items()}))
+        plain: dict[str, Any] = json.loads(json.dumps({str(k): dict(v) for k, v in found.items()}))
+        return plain
     except (TypeError, ValueError):
         log.debug("state_dict._metadata is not plain JSON; it is not stored")
         return None

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zarr
@@ -34,6 +34,8 @@ from inshrink_store.parallel import map_in_order
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, optimizer_param_names
 from inshrink_store.whole_read import WholeArray
 from inshrink_store.zarr_store import InshrinkStore, SnapshotChunks
+
+_T = TypeVar("_T")
 
 #: the most bytes one chunk may decode to per stored byte of its object (defined with the
 #: objects, whose writer keeps to it)
@@ -98,7 +100,7 @@ class SnapshotReader:
     def group(self) -> zarr.Group:
         return self._zarr("the root group", lambda: zarr.open_group(store=self.store, mode="r"))
 
-    def _zarr(self, what: str, action: Callable[[], Any]) -> Any:
+    def _zarr(self, what: str, action: Callable[[], _T]) -> _T:
         """Run a zarr call on this snapshot; zarr's own errors on malformed metadata or chunk
         bytes become an IntegrityError naming ``what`` (ours pass through unchanged)."""
         try:
@@ -193,7 +195,7 @@ class SnapshotReader:
             return None
         return self.param_names().get(int(parts[2]))
 
-    def __getitem__(self, name: str) -> zarr.Array:
+    def __getitem__(self, name: str) -> zarr.Array[Any]:
         path = self.resolve_name(name)
         return self._zarr(f"tensor {path!r}",
                           lambda: zarr.open_array(store=self.store, path=path, mode="r"))

@@ -128,7 +128,7 @@ def lossless_codecs(array: np.ndarray, dtype: str | None = None) -> dict[str, An
 
 
 def create_array(store: Any, path: str | None, data: np.ndarray, codecs: Mapping[str, Any],
-                 chunking: Chunking | None = None, attributes: Mapping[str, Any] | None = None) -> zarr.Array:
+                 chunking: Chunking | None = None, attributes: Mapping[str, Any] | None = None) -> zarr.Array[Any]:
     """One array of ``data`` as the writer lays it out (chunk grid, fill value, every chunk
     written), its values written; ``store`` is any zarr store (the ratio estimate measures
     on a memory store through this same function)."""
@@ -139,7 +139,7 @@ def create_array(store: Any, path: str | None, data: np.ndarray, codecs: Mapping
 
 
 def _create_metadata(store: Any, path: str | None, data: np.ndarray, codecs: Mapping[str, Any],
-                     chunking: Chunking | None = None, attributes: Mapping[str, Any] | None = None) -> zarr.Array:
+                     chunking: Chunking | None = None, attributes: Mapping[str, Any] | None = None) -> zarr.Array[Any]:
     """The array of :func:`create_array`, its zarr.json written and no chunk yet."""
     chunking = chunking or default_chunks
     return zarr.create_array(

@@ -187,8 +187,10 @@ def ls(url: str, ref: Annotated[str, typer.Argument()] = "main", as_json: JsonOp
     columns = ["tensor", *(["param"] if named else []), "shape", "dtype", "logical", "stored", "storage", "levels",
                "pruned", "protected"]
     table = Table(*columns, *(["update cos", "update err"] if guarded else []))
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}%"
+
     for r in rows:
-        pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
         guard = ([_figure(r["update_cosine"], ".4f"), _figure(r["update_rel_error"], ".1%")] if guarded else [])
         _row(table, r["tensor"], *([r["param"] or "-"] if named else []),
              "x".join(map(str, r["shape"])) or "()", r["dtype"], _size(r["logical_bytes"]),

@@ -254,7 +254,7 @@ def pack_ranks(ranks: np.ndarray, bits: int) -> np.ndarray:
     word = _word(bits)
     words = ranks.view(word)  # rank j of a group sits at bit 8j of its word
     mask = (1 << bits) - 1
-    packed = words & word.type(mask)
+    packed: np.ndarray = words & word.type(mask)
     moved = np.empty_like(words)  # one buffer for every rank moved down (no temporaries)
     for j in range(1, per):
         np.right_shift(words, word.type(j * (8 - bits)), out=moved)
@@ -333,7 +333,8 @@ def _pair_table(rank_of: np.ndarray, bits: int) -> np.ndarray:
     """65,536 bytes: entry ``hi * 256 + lo`` is ``rank_of[lo] | rank_of[hi] << bits``, the two
     ranks of a byte pair packed as :func:`pack_ranks` packs them (first in the lowest bits)."""
     wide = rank_of.astype("<u2")
-    return ((wide << bits)[:, None] | wide).reshape(-1).astype(np.uint8)
+    pairs: np.ndarray = (wide << bits)[:, None] | wide
+    return pairs.reshape(-1).astype(np.uint8)
 
 
 def _packed_by_pairs(data: np.ndarray, bits: int, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

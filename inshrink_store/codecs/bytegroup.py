@@ -44,6 +44,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.registry import register_codec
 from zarr.abc.codec import BytesBytesCodec
+from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import Buffer
 from zarr.registry import register_codec as register_zarr_codec
 
@@ -99,14 +100,15 @@ def _buffer(array: np.ndarray) -> bytes:
 
 
 def _bytes_view(buf: Any) -> np.ndarray:
-    return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+    array: np.ndarray = ensure_contiguous_ndarray(buf)  # numcodecs ships no types
+    return array.reshape(-1).view(np.uint8)
 
 
 def sign_last(data: np.ndarray, itemsize: int) -> np.ndarray:
     """Bytes of little-endian words with each word rotated left by one bit (sign to bit 0)."""
     word = np.dtype(f"<u{itemsize}")
     u = data.view(word)
-    out = np.left_shift(u, word.type(1))
+    out: np.ndarray = np.left_shift(u, word.type(1))
     out |= u >> word.type(8 * itemsize - 1)
     return out.view(np.uint8)
 
@@ -115,7 +117,7 @@ def sign_first(data: np.ndarray, itemsize: int) -> np.ndarray:
     """Inverse of :func:`sign_last`."""
     word = np.dtype(f"<u{itemsize}")
     u = data.view(word)
-    out = np.right_shift(u, word.type(1))
+    out: np.ndarray = np.right_shift(u, word.type(1))
     out |= u << word.type(8 * itemsize - 1)
     return out.view(np.uint8)
 
@@ -253,7 +255,7 @@ def _encode_both(data: np.ndarray, dtype: str, level: int, coder: str,
     return keyframe, assemble(mixed, flags | FLAG_BASE, xxhash.xxh3_64_intdigest(_buffer(base)))
 
 
-class ByteGroup(Codec):
+class ByteGroup(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec is Any
     """numcodecs codec; ``encode``/``decode`` take the parent version's chunk as optional ``base=``.
 
     Arrays of ``dtype`` bfloat16 are passed as uint16 bit patterns. ``decode`` returns a flat
@@ -507,22 +509,22 @@ class ByteGroupZarrCodec(BytesBytesCodec):
             )
         return encode_chunk(data, self.dtype, self.level, self.coder)
 
-    def _encode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer:
+    def _encode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
         data = chunk_bytes.as_numpy_array().reshape(-1).view(np.uint8)
         return chunk_spec.prototype.buffer.from_bytes(self.encode_bytes(data))
 
-    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer:
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
         size = math.prod(chunk_spec.shape) * carrier(self.dtype).itemsize
         data = chunk_bytes.as_numpy_array().reshape(-1).view(np.uint8)
         return chunk_spec.prototype.buffer.from_array_like(decode_bytes(data, self.dtype, size=size))
 
-    async def _encode_single(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer | None:
+    async def _encode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer | None:
         return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
 
-    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: Any) -> Buffer:
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
         return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
 
-    def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
         raise NotImplementedError("inshrink.bytegroup chunks are variable-size")
 
 

@@ -131,7 +131,8 @@ def decode(body: bytes | memoryview, logical_length: int, base: bytes | memoryvi
     if before.size != values.size:
         raise FormatError(
             f"Expected a base payload of {values.size} float32 elements. Got {len(base)} bytes instead.")
-    return reconstruct(before, values).tobytes()
+    restored: np.ndarray = reconstruct(before, values)  # numpy in, numpy out
+    return restored.tobytes()
 
 
 def reconstruct(base: Any, values: Any) -> Any:

@@ -35,6 +35,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray, ndarray_copy
 from numcodecs.registry import register_codec
 from zarr.abc.codec import ArrayBytesCodec
+from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import Buffer, NDBuffer
 from zarr.registry import register_codec as register_zarr_codec
 
@@ -380,7 +381,7 @@ def _choice(value: Any, name: str, allowed: tuple[str, ...], none_ok: bool = Fal
     )
 
 
-class NUQ(Codec):
+class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec is Any
     """numcodecs front end. Arrays of ``dtype`` bfloat16 are passed as uint16 bit patterns.
 
     ``tolerance`` is a number >= 0 or ``"inf"`` (JSON has no infinity; ``math.inf`` is
@@ -434,7 +435,7 @@ class NUQ(Codec):
         return self._q.encode(arr)
 
     def decode(self, buf: Any, out: Any = None) -> np.ndarray:
-        values = self._q.decode(ensure_contiguous_ndarray(buf))
+        values: np.ndarray = self._q.decode(ensure_contiguous_ndarray(buf))  # numpy in, numpy out
         if out is None:
             return values
         out_arr = ensure_contiguous_ndarray(out)
@@ -443,7 +444,8 @@ class NUQ(Codec):
                 f"Expected an output buffer of {values.nbytes} bytes ({values.size} elements). "
                 f"Got {out_arr.nbytes} bytes instead."
             )
-        return ndarray_copy(values, out)
+        copied: np.ndarray = ndarray_copy(values, out)  # numcodecs ships no types
+        return copied
 
 
 register_codec(NUQ)
@@ -510,19 +512,19 @@ class NUQZarrCodec(ArrayBytesCodec):
     def validate(self, *, shape: Any, dtype: Any, chunk_grid: Any) -> None:
         _element_name(dtype, self.dtype)
 
-    def _quantizer(self, chunk_spec: Any) -> Quantizer:
+    def _quantizer(self, chunk_spec: ArraySpec) -> Quantizer:
         element = _element_name(chunk_spec.dtype, self.dtype)
         return quantizer(self.codebook, self.tolerance, self.protected_dtype, element)
 
-    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: Any) -> NDBuffer:
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         # on a worker thread, as zarr's Blosc codec does: numpy releases the GIL, so the
         # chunks of one read decode in parallel instead of one by one on zarr's event loop
         return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
 
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer | None:
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
 
-    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: Any) -> NDBuffer:
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         # as_array_like: a device array under zarr.config.enable_gpu(), decoded on the device
         values = self._quantizer(chunk_spec).decode(chunk_bytes.as_array_like())
         expected = math.prod(chunk_spec.shape)
@@ -536,14 +538,14 @@ class NUQZarrCodec(ArrayBytesCodec):
             values.view(native).reshape(chunk_spec.shape)
         )
 
-    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: Any) -> Buffer:
+    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer:
         q = self._quantizer(chunk_spec)
         array = chunk_array.as_ndarray_like()  # a device array under zarr.config.enable_gpu()
         xp = array_namespace(array)
         carrier = xp.ascontiguousarray(array).view(_carrier(q.dtype))
         return chunk_spec.prototype.buffer.from_array_like(q.encode_array(carrier))
 
-    def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
         raise NotImplementedError("inshrink.nuq payloads are variable-size")
 
 

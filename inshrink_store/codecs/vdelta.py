@@ -117,7 +117,8 @@ def apply_stream(prev_ids: Any, stream: Any, levels: int, grouped: bool) -> Any:
 
 
 def _bytes_view(buf: Any) -> np.ndarray:
-    return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+    array: np.ndarray = ensure_contiguous_ndarray(buf)  # numcodecs ships no types
+    return array.reshape(-1).view(np.uint8)
 
 
 def _require_base(base: Any, action: str) -> np.ndarray:
@@ -129,7 +130,7 @@ def _require_base(base: Any, action: str) -> np.ndarray:
     return _bytes_view(base)
 
 
-class VDelta(Codec):
+class VDelta(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec is Any
     """numcodecs codec whose ``encode``/``decode`` take the base payload as ``base=``."""
 
     codec_id = CODEC_ID

@@ -56,7 +56,7 @@ def sample_payload(sample: TensorSample, codebook: np.ndarray, protected_dtype: 
     centres = np.asarray(codebook, np.float64).astype(np.float32)
     levels = centres.size + 1
     width = _payload.id_width_for(levels)
-    ids = nearest_index(sample.values, centres).astype(_payload.id_dtype(width))
+    ids: np.ndarray = nearest_index(sample.values, centres).astype(_payload.id_dtype(width))  # numpy in, numpy out
     if sample.pruned.any():
         ids[sample.pruned] = nearest_index(np.zeros(1, np.float32), centres)[0]
     ids[sample.protected] = levels - 1

@@ -34,7 +34,8 @@ def bucket_weights(points: np.ndarray, counts: np.ndarray, sigma: float = SIGMA)
     mag = np.abs(points)
     total = mag.sum()
     mag = mag / total if total > 0 else np.full_like(mag, 1.0 / mag.size)
-    return sigma * freq + (1.0 - sigma) * mag
+    weights: np.ndarray = sigma * freq + (1.0 - sigma) * mag
+    return weights
 
 
 def assign(points: np.ndarray, centres: np.ndarray) -> np.ndarray:

@@ -224,7 +224,8 @@ def update(m: np.ndarray, v: np.ndarray, hyper: AdamHyper) -> np.ndarray:
     c1, c2 = hyper.bias_corrections()
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         denom = np.sqrt(np.maximum(v, 0, dtype=np.float32) / np.float32(c2)) + np.float32(hyper.eps)
-        return (m / np.float32(c1)) / denom
+        step: np.ndarray = (m / np.float32(c1)) / denom
+        return step
 
 
 def compare(exact: np.ndarray, stored: np.ndarray) -> tuple[float, float]:
@@ -271,7 +272,8 @@ def smallest_mask(scores: np.ndarray, fraction: float) -> np.ndarray:
         return np.zeros(scores.shape, bool)
     pool = flat[finite]
     threshold = np.partition(pool, count - 1)[count - 1]
-    return ((flat <= threshold) & finite).reshape(scores.shape)
+    mask: np.ndarray = (flat <= threshold) & finite
+    return mask.reshape(scores.shape)
 
 
 #: key spans up to which :func:`unique_inverse` counts instead of sorting (a few MB of table)
@@ -303,7 +305,8 @@ def log_steps(values: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log2(np.abs(values).astype(np.float64))
     logs[~np.isfinite(logs)] = 0.0
-    return np.round(logs * LOG_RESOLUTION).astype(np.int64)
+    steps: np.ndarray = np.round(logs * LOG_RESOLUTION)
+    return steps.astype(np.int64)
 
 
 def _bucket_keys(values: np.ndarray, steps: np.ndarray) -> np.ndarray:

@@ -152,7 +152,8 @@ def _metric(t: TensorInput, config: QuantSettings) -> str:
 def _prune_scores(t: TensorInput, metric: str) -> np.ndarray:
     """Scores whose lowest values are pruned; NaN scores are never pruned (NaN <= x is false)."""
     scores = t.sensitivity if metric == "sensitivity" and t.sensitivity is not None else t.values
-    return np.abs(scores)
+    magnitudes: np.ndarray = np.abs(scores)
+    return magnitudes
 
 
 def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantSettings,
@@ -208,7 +209,7 @@ def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction:
     With ``cache`` and the tensor's ``name``, each selection's cut is found once per
     fraction (it is most of the cost; the comparison is a pass). ``at``: only these flat
     positions (a 1-D mask of them), still judged against the whole tensor's cuts."""
-    mask = ~np.isfinite(values if at is None else values.ravel()[at])
+    mask: np.ndarray = ~np.isfinite(values if at is None else values.ravel()[at])
     count = int(round(fraction * values.size))
     if count > 0:
         for which, source in (("values", values), ("sensitivity", sensitivity)):
@@ -242,7 +243,8 @@ def _segment_sq(lo: np.ndarray, hi: np.ndarray, centre: np.ndarray) -> np.ndarra
     the difference of the two cubes would cancel to nothing on a bucket far narrower than its
     distance to the centre (values of 1e-15 against a centre of 0.3)."""
     a, b = lo - centre, hi - centre
-    return (hi - lo) * (a * a + a * b + b * b) / 3.0
+    integral: np.ndarray = (hi - lo) * (a * a + a * b + b * b) / 3.0
+    return integral
 
 
 def sketch_sq_errors(sketch: LogSketch, codebooks: list[np.ndarray]) -> list[float]:

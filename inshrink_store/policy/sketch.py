@@ -105,7 +105,8 @@ def gamma_powers(gamma: float, keys: Any) -> np.ndarray:
     if top < _LADDER_MAX:
         low, high = _ladders(float(gamma), 1 << top.bit_length())  # rungs in powers of two
         with np.errstate(over="ignore", under="ignore"):
-            return low[sign, r] * high[sign, q]
+            powers: np.ndarray = low[sign, r] * high[sign, q]
+            return powers
     out = np.empty(k.shape, np.float64)
     near = q < _LADDER_MAX
     low, high = _ladders(float(gamma), _LADDER_MAX)

@@ -40,7 +40,7 @@ def _bits(a: np.ndarray) -> bytes:
 
 def _as_input(decoded: Any, like: np.ndarray, what: str) -> np.ndarray:
     """A decoded buffer reinterpreted with the input's dtype and shape (numcodecs returns flat)."""
-    arr = ensure_contiguous_ndarray(decoded)  # bytes-like decodes (b"" included) as uint8
+    arr: np.ndarray = ensure_contiguous_ndarray(decoded)  # bytes-like decodes (b"" included) as uint8
     assert arr.nbytes == like.nbytes, (
         f"{what} returned {arr.nbytes} bytes ({arr.dtype}, shape {arr.shape}); "
         f"expected {like.nbytes} bytes for a {like.dtype} array of shape {like.shape}"

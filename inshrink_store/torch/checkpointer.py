@@ -55,17 +55,19 @@ from inshrink_store.policy import (
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
-from inshrink_store.structure import PARAM_NAMES_ATTR, flatten
+from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions
 from inshrink_store.torch.extra_state import RNGState, _load_into, _state_of
 from inshrink_store.torch.optim import adam_hyper, param_paths
-from inshrink_store.torch.quantized_eval import _probe_similarity, _QuantizedEval
+from inshrink_store.torch.quantized_eval import _probe_similarity
+from inshrink_store.torch.quantized_eval import (
+    _QuantizedEval as _QuantizedEval,  # dcp_checkpointer's import
+)
 from inshrink_store.torch.retention import GcWorker, Retention, RetentionKeeper
 from inshrink_store.torch.retention import (
     _OtherBranchesKept as _OtherBranchesKept,  # lightning's gc view
 )
 from inshrink_store.torch.tensors import (
-    STRUCTURE_ATTR,
     is_state_leaf,
     load_state_report,
     state_to_arrays,

@@ -250,13 +250,15 @@ def _tied_keys(directory: Path) -> list[list[str]] | None:
     except ImportError:
         return None
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its warnings about the config are from_pretrained's to give
+    # its warnings about the config are from_pretrained's to give
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # unannotated in transformers
     try:
         config = transformers.AutoConfig.from_pretrained(str(directory))
         names = getattr(config, "architectures", None) or []
         cls = getattr(transformers, names[0], None) if names else None
         with torch.device("meta"):
-            model = cls(config) if cls is not None else transformers.AutoModel.from_config(config)
+            model = (cls(config) if cls is not None
+                     else transformers.AutoModel.from_config(config))  # type: ignore[no-untyped-call]  # unannotated in transformers
     except Exception as exc:  # any failure only means the ties are not known
         log.info("could not build the config's model to find its tied weights (%s): all keys written", exc)
         return None
