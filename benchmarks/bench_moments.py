@@ -38,7 +38,7 @@ import inshrink_store as ins
 from inshrink_store.policy import SearchPolicy
 from inshrink_store.policy.moments import DEFAULT_MOMENTS
 from inshrink_store.torch import Checkpointer
-from inshrink_store.torch.demo import _accuracy, load_digits_split, make_model, run_demo
+from inshrink_store.torch.demo import _accuracy, load_digits_split, make_model, run_demo, train_step
 from inshrink_store.torch.optim import adam_hyper
 from inshrink_store.torch.tensors import array_to_tensor, state_to_arrays
 
@@ -135,12 +135,7 @@ def _finetune(base: Any, repo: Any, mode: str | None, steps: int, every: int, fa
     batches = _batches(3, len(ytr), steps)
     step = 0
     while step < steps:
-        idx = batches[step]
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-        if ck is not None:
-            ck.observe_gradients()
-        opt.step()
+        train_step(model, opt, xtr, ytr, batches[step], None if ck is None else ck.observe_gradients)
         step += 1
         if ck is not None and step % every == 0:
             ck.save(step)

@@ -29,7 +29,7 @@ import torch
 import inshrink_store as ins
 from inshrink_store.codecs.vdelta import VDelta
 from inshrink_store.torch import Checkpointer, load_state, save_state
-from inshrink_store.torch.demo import _accuracy, load_digits_split, make_model
+from inshrink_store.torch.demo import _accuracy, load_digits_split, make_model, train_step
 
 MODES = ("train only", "torch.save", "lossless", "inshrink", "no regroup", "no delta")
 
@@ -57,11 +57,7 @@ def train_once(mode: str, steps: int, every: int, workdir: Path) -> dict[str, An
     start = time.perf_counter()
     for step in range(1, steps + 1):
         idx = torch.randint(0, len(ytr), (64,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-        if ck is not None:
-            ck.observe_gradients()
-        opt.step()
+        train_step(model, opt, xtr, ytr, idx, None if ck is None else ck.observe_gradients)
         if step % every or mode == "train only":
             continue
         t = time.perf_counter()

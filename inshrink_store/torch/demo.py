@@ -90,6 +90,17 @@ def _restored_accuracy(model: Any, repo: Any, ref: str, x: Any, y: Any) -> float
     return _accuracy(model, x, y)
 
 
+def train_step(model: Any, opt: Any, x: Any, y: Any, idx: Any, observe: Callable[[], None] | None = None) -> None:
+    """One step of the demo's training loop on the batch ``idx`` of ``x``, ``y`` (cross-entropy,
+    the optimizer's step); ``observe`` (a Checkpointer's ``observe_gradients``) runs between the
+    backward pass and the step. The demo and the benchmarks that train its model share it."""
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+    if observe is not None:
+        observe()
+    opt.step()
+
+
 def train(steps: int, every: int | None, repo: Any, fail_at: int | None, tolerance: float,
           progress: Callable[[str], None] | None = None,
           optimizer: str = "compressed", exact_resume: int = 1) -> tuple[Any, dict[str, float]]:
@@ -111,11 +122,7 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
     while step < steps:
         t = time.perf_counter()
         idx = torch.randint(0, len(ytr), (64,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-        if ck is not None:
-            ck.observe_gradients()
-        opt.step()
+        train_step(model, opt, xtr, ytr, idx, None if ck is None else ck.observe_gradients)
         step += 1
         stats["train_s"] += time.perf_counter() - t
         if ck is not None and every and step % every == 0:
