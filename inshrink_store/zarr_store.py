@@ -180,7 +180,7 @@ class SortedEntries(dict[str, Entry]):
         super().__delitem__(key)
         del self._order[bisect.bisect_left(self._order, key)]
 
-    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def pop(self, key: str, *default: Any) -> Any:
         if key in self:
             value = super().__getitem__(key)
             del self[key]
@@ -192,7 +192,7 @@ class SortedEntries(dict[str, Entry]):
         del self._order[bisect.bisect_left(self._order, key)]
         return key, value
 
-    def setdefault(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def setdefault(self, key: str, default: Any = None) -> Any:
         if key not in self:
             self[key] = default
         return super().__getitem__(key)
@@ -445,7 +445,7 @@ class InshrinkStore(Store):
     supports_writes = True
     supports_deletes = True
     supports_listing = True
-    supports_partial_writes = False  # type: ignore[assignment]
+    supports_partial_writes = False
     supports_consolidated_metadata = False
 
     def __init__(self, view: SnapshotChunks | PendingChunks, *, read_only: bool = False) -> None:
