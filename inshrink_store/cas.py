@@ -38,8 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +55,7 @@ from inshrink_store.errors import (
     WriteCheckError,
 )
 from inshrink_store.layout import object_path  # noqa: F401 - re-exported
+from inshrink_store.lru import ByteBoundedLRU
 from inshrink_store.manifest import content_id
 from inshrink_store.storage import Storage
 
@@ -216,35 +215,6 @@ def _check_length(oid: str, kind: int, coder: int, length: int, body_len: int) -
         )
 
 
-class _LRU:
-    """Logical payloads by id, bounded in bytes: bases are reused while a snapshot is read."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> bytes | None:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: str, value: bytes) -> None:
-        if len(value) > self.max_bytes:
-            return
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = value
-            self._size += len(value)
-            while self._size > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self._size -= len(old)
-
-
 @dataclass(frozen=True)
 class ClosedLoopCoding:
     """A planner's coding of one float32 chunk (coder 4): ``body`` (``codecs/closed_loop``),
@@ -274,7 +244,7 @@ class ObjectStore:
             raise FormatError(f"Expected keyframe_interval >= 1. Got {keyframe_interval} instead.")
         self.storage = storage
         self.keyframe_interval = keyframe_interval
-        self._cache = _LRU(cache_bytes)
+        self._cache = ByteBoundedLRU(cache_bytes)
         self._delta = VDelta()
 
     def __getstate__(self) -> dict[str, object]:

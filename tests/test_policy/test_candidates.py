@@ -13,6 +13,7 @@ import inshrink_store as ins
 from inshrink_store import cas
 from inshrink_store.dtypes import float32_to_bf16
 from inshrink_store.errors import FormatError
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy import (
     CandidatePlanner,
     Candidates,
@@ -22,7 +23,6 @@ from inshrink_store.policy import (
     StatePlanner,
 )
 from inshrink_store.policy.ratio import lossless_bytes, quantized_bytes
-from inshrink_store.writer import ArrayPlan
 
 CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.005)
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import inshrink_store as ins
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.errors import FormatError
+from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.moments import (
     AdamHyper,
     MomentPlans,
@@ -30,7 +31,6 @@ from inshrink_store.policy.moments import (
     update,
 )
 from inshrink_store.policy.search_policy import SearchPolicy
-from inshrink_store.writer import ArrayPlan
 
 PREFIX = "optimizer/state/0"
 M_PATH, V_PATH, STEP_PATH = f"{PREFIX}/exp_avg", f"{PREFIX}/exp_avg_sq", f"{PREFIX}/step"
@@ -728,7 +728,7 @@ def test_search_policy_names_its_optimizer_policies() -> None:
 @given(keys=st.lists(st.integers(-(2**40), 2**40), max_size=300), spread=st.sampled_from([1, 10, 1000, 2**30]))
 def test_unique_inverse_is_numpys_unique_whatever_the_span(keys: list[int], spread: int) -> None:
     """The counting path (small spans) and the sorting one give numpy's arrays exactly."""
-    from inshrink_store.policy.moments import unique_inverse
+    from inshrink_store.policy.moment_codebooks import unique_inverse
 
     array = np.asarray(keys, np.int64) % spread - spread // 2
     uniq, inverse = unique_inverse(array)
@@ -744,7 +744,7 @@ def test_importance_histogram_orders_buckets_as_the_signed_keys_sort(seed: int, 
                                                                     negatives: float) -> None:
     """Buckets are numbered densely, in the order np.unique gave the signed keys: same points,
     same weights, same order (k-means++ seeds from that order)."""
-    from inshrink_store.policy.moments import LOG_RESOLUTION, _importance_histogram
+    from inshrink_store.policy.moment_codebooks import LOG_RESOLUTION, _importance_histogram
 
     rng = np.random.default_rng(seed)
     values = rng.standard_t(3, n) * scale
@@ -764,7 +764,7 @@ def test_importance_histogram_orders_buckets_as_the_signed_keys_sort(seed: int, 
 def _reference_exp_avg(m: np.ndarray, drop: np.ndarray, levels: int, importance: np.ndarray) -> np.ndarray:
     """quantize_exp_avg as first written: a histogram by sorting the kept entries' signed keys."""
     from inshrink_store.policy.kmeans import through_dtype, weighted_kmeans
-    from inshrink_store.policy.moments import LOG_RESOLUTION, _snap
+    from inshrink_store.policy.moment_codebooks import LOG_RESOLUTION, _snap
 
     keep = ~drop & np.isfinite(m) & (m != 0) & np.isfinite(importance) & (importance > 0)
     kept, w = m[keep].astype(np.float64), importance[keep].astype(np.float64)
@@ -793,7 +793,7 @@ def test_exp_avg_quantized_with_a_prepared_m_equals_the_sorting_original(seed: i
                                                                          dropped: float, special: bool) -> None:
     """Every attempt of the guard shares one prepared m: it must store exactly what the first
     implementation (sorting each attempt's kept entries) stored, attempt after attempt."""
-    from inshrink_store.policy.moments import _PreparedM, quantize_exp_avg
+    from inshrink_store.policy.moment_codebooks import _PreparedM, quantize_exp_avg
 
     rng = np.random.default_rng(seed)
     m = (rng.standard_t(3, n) * 1e-3).astype(np.float32)
