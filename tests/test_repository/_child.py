@@ -36,12 +36,16 @@ def state(seed: int, version: int) -> dict[str, np.ndarray]:
     }
 
 
-def _inject(crash_at: int, how: str) -> None:
+def _inject(crash_at: int, how: str, uncounted: str | None = None) -> None:
+    """Die at the ``crash_at``-th storage write; writes under the prefix ``uncounted`` (e.g.
+    the leases, whose renewals depend on timing) are made but not counted."""
     calls = 0
 
     def fault(real):  # type: ignore[no-untyped-def]
         def wrapped(self: Storage, path: str, data: bytes) -> None:
             nonlocal calls
+            if uncounted is not None and path.startswith(uncounted):
+                return real(self, path, data)
             calls += 1
             if calls != crash_at:
                 return real(self, path, data)
