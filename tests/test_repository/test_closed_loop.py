@@ -165,12 +165,12 @@ def torch_mod() -> Any:
     return pytest.importorskip("torch")
 
 
-def _train_run(torch: Any, url: str, **kwargs: Any) -> tuple[Any, Any, Any]:
+def _train_run(torch: Any, url: str, *, lr: float = 1e-3, saves: int = 6, **kwargs: Any) -> tuple[Any, Any, Any]:
     from inshrink_store.torch import Checkpointer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 10, (128,), generator=torch.Generator().manual_seed(2))
 
@@ -181,7 +181,7 @@ def _train_run(torch: Any, url: str, **kwargs: Any) -> tuple[Any, Any, Any]:
     repo = ins.open(url, create=True)
     ck = Checkpointer(repo, model, opt, eval_fn=evaluate, tolerance=0.05, higher_is_better=False,
                       background=False, **kwargs)
-    for step in range(1, 7):
+    for step in range(1, saves + 1):
         for _ in range(5):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -260,34 +260,14 @@ def test_when_no_residual_meets_the_tolerance_keyframes_are_searched_before_loss
     quantized version, where it used to store the weights lossless."""
     torch = torch_mod
     from inshrink_store.policy.search import SearchSpace
-    from inshrink_store.torch import Checkpointer
     from inshrink_store.torch import checkpointer as checkpointer_module
 
     monkeypatch.setattr(checkpointer_module, "RESIDUAL_SPACE",
                         SearchSpace(bins=(4,), prune=(0.98,), metrics=("magnitude",), protect=(0.0005,)))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)  # big steps: a residual of 2 % cannot follow
-    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, 10, (128,), generator=torch.Generator().manual_seed(2))
-
-    def evaluate(m: Any) -> float:
-        with torch.no_grad():
-            return float(torch.nn.functional.cross_entropy(m(x), y))
-
     url = f"memory://cl-{uuid.uuid4().hex}"
-    ck = Checkpointer(ins.open(url, create=True), model, opt, eval_fn=evaluate, tolerance=0.05,
-                      higher_is_better=False, background=False)
     with caplog.at_level(logging.INFO, logger="inshrink_store.torch.checkpointer"):
-        for step in range(1, 4):
-            for _ in range(5):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                ck.observe_gradients()
-                opt.step()
-            ck.save(step)
-    ck.close()
-    repo = ins.open(url)
+        # big steps (lr 0.05): a residual that keeps 2 % of its elements cannot follow them
+        repo, model, _opt = _train_run(torch, url, lr=0.05, saves=3)
     assert any("searching keyframes" in r.getMessage() for r in caplog.records)
     for info in repo.log():
         assert info.metadata["quantization"]["config"] is not None, f"version at step {info.step} stored lossless"
