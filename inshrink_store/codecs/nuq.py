@@ -145,6 +145,8 @@ class Quantizer:
     tolerance: float
     protected_dtype: str
     dtype: str
+    #: per-channel scales along the last axis (None: one codebook for every element)
+    scales: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -180,6 +182,7 @@ class Quantizer:
         object.__setattr__(self, "element", element)
         object.__setattr__(self, "protected", dtypes.by_codec_name(self.protected_dtype))
         object.__setattr__(self, "id_dtype", _payload.id_dtype(_payload.id_width_for(self.levels)))
+        object.__setattr__(self, "scale32", None if self.scales is None else _check_scales(self.scales, self.dtype))
 
     # lookup tables derived in __post_init__ (not part of the identity)
     centres: np.ndarray = field(init=False, repr=False, compare=False)
@@ -189,6 +192,7 @@ class Quantizer:
     id_dtype: np.dtype = field(init=False, repr=False, compare=False)
     element: dtypes.DType = field(init=False, repr=False, compare=False)
     protected: dtypes.DType = field(init=False, repr=False, compare=False)
+    scale32: np.ndarray | None = field(init=False, repr=False, compare=False)
 
     @property
     def levels(self) -> int:
@@ -208,8 +212,77 @@ class Quantizer:
         """The payload as a uint8 array in the carrier's library: on a GPU it stays on the
         device (a zarr GPU buffer), only protected values having crossed to the host."""
         flat = carrier.reshape(-1)
+        if self.scale32 is not None:
+            # the scaled variant runs on the host (same bytes; its payload goes back to the
+            # caller's library)
+            return like(self._encode_scaled(to_host(flat)), array_namespace(flat))
         ids, ok = self._assign(flat)
         return self._finish(flat, ids, ok)
+
+    # -- the channel-scaled variant (``scales``) ----------------------------------------
+
+    def _rows(self, size: int) -> int:
+        """Rows of a chunk of ``size`` elements: whole rows of ``len(scales)`` elements."""
+        assert self.scale32 is not None
+        width = self.scale32.size
+        if size % width:
+            raise FormatError(
+                f"Expected whole rows of {width} elements (one per scale) in an {CODEC_ID} chunk with "
+                f"scales. Got {size} elements instead: the chunk splits the array's last axis, or the "
+                "scales do not belong to this array."
+            )
+        return size // width
+
+    def scaled_centres(self, ids: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """float32 ``centres[ids] * scales[columns]``: what a scaled level id decodes to (one
+        IEEE float32 multiply, so numpy and a GPU give the same bits)."""
+        assert self.scale32 is not None
+        with np.errstate(over="ignore"):
+            return np.multiply(self.centres.take(ids), self.scale32.take(columns), dtype=np.float32)
+
+    def _encode_scaled(self, flat: np.ndarray) -> np.ndarray:
+        """Scaled encode: each value divided by its column's scale takes the nearest centre,
+        and keeps that id when ``centre * scale`` is within tolerance of the value (exactly
+        equal at tolerance 0); a neighbouring centre is tried before protecting it, so a
+        decoded chunk encodes to the same bytes (division and multiplication may each round)."""
+        assert self.scale32 is not None
+        x = self.values_of(flat)
+        rows = self._rows(x.size)
+        columns = np.tile(np.arange(self.scale32.size, dtype=np.intp), rows)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            u = (x.reshape(rows, -1) / self.scale32).reshape(-1)
+        ids = nearest_index(u, self.centres).astype(self.id_dtype, copy=False)
+        ok = self._scaled_ok(x, ids, columns)
+        for step in (-1, 1):  # the other side of a midpoint the division rounded across
+            miss = np.flatnonzero(~ok & np.isfinite(x))
+            if not miss.size:
+                break
+            other = np.clip(ids[miss].astype(np.int64) + step, 0, self.centres.size - 1).astype(self.id_dtype)
+            hit = self._scaled_ok(x[miss], other, columns[miss])
+            ids[miss[hit]], ok[miss[hit]] = other[hit], True
+        rejected = np.flatnonzero(~ok)
+        words = self._protect(flat[rejected])
+        if rejected.size and self.tol32 is not None:
+            # a value stored protected that reads back on a scaled centre takes its id
+            stored = self._stored_values(words)
+            cols = columns[rejected]
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                near = nearest_index(stored / self.scale32.take(cols), self.centres).astype(self.id_dtype)
+            back = np.isfinite(stored) & self._scaled_ok(stored, near, cols)
+            ids[rejected[back]] = near[back]
+            rejected, words = rejected[~back], words[~back]
+        ids[rejected] = self.levels - 1
+        return _payload.assemble(self.levels, ids, self.protected_dtype, words)
+
+    def _scaled_ok(self, x: np.ndarray, ids: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """Whether each finite x may take the scaled centre of ``ids`` (tolerance, float32)."""
+        near = self.scaled_centres(ids, columns)
+        if self.tol32 is None:
+            return np.isfinite(x) & np.isfinite(near)
+        if self.tol32 == 0:
+            return np.isfinite(x) & (x == near)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.isfinite(x) & (np.abs(x - near) <= self.tol32)
 
     def _assign(self, flat: Any) -> tuple[Any, Any]:
         """Each element's nearest centre and whether it may take it (the bulk of the work):
@@ -314,6 +387,9 @@ class Quantizer:
             )
         xp = array_namespace(payload.ids)
         out = like(self.table, xp).take(payload.ids)
+        if self.scale32 is not None:
+            rows = self._rows(int(payload.ids.size))
+            out = (out.reshape(rows, -1) * like(self.scale32, xp)).reshape(-1)
         if payload.protected.size:
             out[payload.ids == self.levels - 1] = like(
                 self._unprotect(payload.protected, payload.protected_dtype), xp
@@ -333,9 +409,48 @@ class Quantizer:
 
 @functools.lru_cache(maxsize=128)
 def quantizer(codebook: tuple[float, ...], tolerance: float, protected_dtype: str,
-              dtype: str) -> Quantizer:
+              dtype: str, scales: tuple[float, ...] | None = None) -> Quantizer:
     """A validated, cached :class:`Quantizer` (FormatError for an invalid configuration)."""
-    return Quantizer(codebook, tolerance, protected_dtype, dtype)
+    return Quantizer(codebook, tolerance, protected_dtype, dtype, scales)
+
+
+#: the most scales a configuration may carry (one per element of the last axis; they live in
+#: zarr.json, so a wider array stays unscaled)
+MAX_SCALES = 65536
+
+
+def _check_scales(scales: tuple[float, ...], dtype: str) -> np.ndarray:
+    """The scales as float32, after the checks the writer and every reader share: float32
+    elements only, 1..MAX_SCALES numbers, each finite, > 0 and exactly a float32."""
+    if dtype != "float32":
+        raise FormatError(f"Expected scales only with dtype 'float32' in the {CODEC_ID} configuration. "
+                          f"Got scales with dtype {dtype!r} instead.")
+    if not 1 <= len(scales) <= MAX_SCALES:
+        raise FormatError(f"Expected 1..{MAX_SCALES} scales in the {CODEC_ID} configuration. "
+                          f"Got {len(scales)} instead.")
+    s64 = np.asarray(scales, np.float64)
+    with np.errstate(over="ignore"):
+        s32 = s64.astype(np.float32)
+    bad = ~(np.isfinite(s32) & (s32 > 0) & (s32.astype(np.float64) == s64))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise FormatError(f"Expected every scale of the {CODEC_ID} configuration to be a finite float32 "
+                          f"> 0. Got scales[{i}] = {scales[i]!r} instead.")
+    s32.setflags(write=False)
+    return s32
+
+
+def _scales(values: Any) -> tuple[float, ...] | None:
+    """The ``scales`` key from JSON or Python: None, or a tuple of floats (checked later)."""
+    if values is None:
+        return None
+    ok = isinstance(values, list | tuple | np.ndarray)
+    if ok and not isinstance(values, np.ndarray):
+        ok = all(isinstance(c, int | float | np.integer | np.floating) and not isinstance(c, bool) for c in values)
+    if not ok:
+        raise FormatError(f"Expected scales as a list of numbers or null in the {CODEC_ID} configuration. "
+                          f"Got {values!r:.80} instead.")
+    return tuple(float(c) for c in np.asarray(values, np.float64).reshape(-1))
 
 
 def protected_values(values: np.ndarray, dtype: str, protected_dtype: str) -> np.ndarray:
@@ -350,7 +465,7 @@ def protected_values(values: np.ndarray, dtype: str, protected_dtype: str) -> np
 
 
 _MAX_CENTRES = 65534
-CONFIG_KEYS = ("codebook", "tolerance", "protected_dtype", "dtype")
+CONFIG_KEYS = ("codebook", "tolerance", "protected_dtype", "dtype", "scales")
 
 
 def _codebook(values: Any) -> tuple[float, ...]:
@@ -391,12 +506,15 @@ class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec i
     codec_id = CODEC_ID
 
     def __init__(self, codebook: list[float] | tuple[float, ...], tolerance: float | str = 0.0,
-                 protected_dtype: str = "bfloat16", dtype: str = "float32") -> None:
+                 protected_dtype: str = "bfloat16", dtype: str = "float32",
+                 scales: list[float] | tuple[float, ...] | None = None) -> None:
         self.codebook = list(_codebook(codebook))
         self.tolerance = _tolerance_from_json(tolerance)
         self.protected_dtype = _choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES)
         self.dtype = _choice(dtype, "dtype", ELEMENT_DTYPES)
-        self._q = quantizer(tuple(self.codebook), self.tolerance, protected_dtype, dtype)
+        scaled = _scales(scales)
+        self.scales = None if scaled is None else list(scaled)
+        self._q = quantizer(tuple(self.codebook), self.tolerance, protected_dtype, dtype, scaled)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> NUQ:
@@ -408,9 +526,12 @@ class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec i
         return cls(**kwargs)
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": CODEC_ID, "codebook": list(self.codebook),
-                "tolerance": _tolerance_to_json(self.tolerance),
-                "protected_dtype": self.protected_dtype, "dtype": self.dtype}
+        config = {"id": CODEC_ID, "codebook": list(self.codebook),
+                  "tolerance": _tolerance_to_json(self.tolerance),
+                  "protected_dtype": self.protected_dtype, "dtype": self.dtype}
+        if self.scales is not None:
+            config["scales"] = list(self.scales)
+        return config
 
     def __repr__(self) -> str:
         return (f"NUQ(levels={len(self.codebook)}, tolerance={self.tolerance}, "
@@ -482,15 +603,17 @@ class NUQZarrCodec(ArrayBytesCodec):
     tolerance: float = 0.0
     protected_dtype: str = "bfloat16"
     dtype: str | None = None
+    scales: tuple[float, ...] | None = None
 
     def __init__(self, *, codebook: Any, tolerance: Any = 0.0, protected_dtype: str = "bfloat16",
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, scales: Any = None) -> None:
         object.__setattr__(self, "codebook", _codebook(codebook))
         object.__setattr__(self, "tolerance", _tolerance_from_json(tolerance))
         object.__setattr__(self, "protected_dtype",
                            _choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES))
         object.__setattr__(self, "dtype", _choice(dtype, "dtype", ELEMENT_DTYPES, none_ok=True))
-        quantizer(self.codebook, self.tolerance, protected_dtype, dtype or "float32")  # validates
+        object.__setattr__(self, "scales", _scales(scales))
+        quantizer(self.codebook, self.tolerance, protected_dtype, dtype or "float32", self.scales)  # validates
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NUQZarrCodec:
@@ -507,14 +630,26 @@ class NUQZarrCodec(ArrayBytesCodec):
                                   "protected_dtype": self.protected_dtype}
         if self.dtype is not None:
             config["dtype"] = self.dtype
+        if self.scales is not None:
+            config["scales"] = list(self.scales)
         return {"name": CODEC_ID, "configuration": config}
 
     def validate(self, *, shape: Any, dtype: Any, chunk_grid: Any) -> None:
-        _element_name(dtype, self.dtype)
+        element = _element_name(dtype, self.dtype)
+        if self.scales is None:
+            return
+        quantizer(self.codebook, self.tolerance, self.protected_dtype, element, self.scales)  # float32 only
+        chunks = getattr(chunk_grid, "chunk_shape", None)
+        if len(shape) < 1 or shape[-1] != len(self.scales) or (chunks is not None and chunks[-1] != shape[-1]):
+            raise FormatError(
+                f"Expected an array whose last axis has one element per scale ({len(self.scales)}) and "
+                f"chunks that keep that axis whole, for {CODEC_ID} with scales. Got shape {tuple(shape)} "
+                f"and chunks {None if chunks is None else tuple(chunks)} instead."
+            )
 
     def _quantizer(self, chunk_spec: ArraySpec) -> Quantizer:
         element = _element_name(chunk_spec.dtype, self.dtype)
-        return quantizer(self.codebook, self.tolerance, self.protected_dtype, element)
+        return quantizer(self.codebook, self.tolerance, self.protected_dtype, element, self.scales)
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         # on a worker thread, as zarr's Blosc codec does: numpy releases the GIL, so the
