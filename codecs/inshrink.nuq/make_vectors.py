@@ -48,9 +48,18 @@ def write(root: Path, name: str, config: dict[str, Any], array: np.ndarray) -> N
     np.save(folder / "decoded.npy", decoded, allow_pickle=False)
 
 
-def config(codebook: list[float], tolerance: float | str, protected: str, dtype: str) -> dict[str, Any]:
-    return {"id": "inshrink.nuq", "codebook": codebook, "tolerance": tolerance,
-            "protected_dtype": protected, "dtype": dtype}
+def config(codebook: list[float], tolerance: float | str, protected: str, dtype: str,
+           scales: list[float] | None = None) -> dict[str, Any]:
+    made: dict[str, Any] = {"id": "inshrink.nuq", "codebook": codebook, "tolerance": tolerance,
+                            "protected_dtype": protected, "dtype": dtype}
+    if scales is not None:  # the optional key is left out of the earlier vectors' configs
+        made["scales"] = scales
+    return made
+
+
+def float32_exact(values: list[float]) -> list[float]:
+    """Scales as the configuration must hold them: each exactly a float32."""
+    return [float(v) for v in np.asarray(values, np.float32)]
 
 
 def main(root: Path) -> None:
@@ -71,6 +80,20 @@ def main(root: Path) -> None:
     # added after the first six: a 0-d array whose one value is protected and rounded
     write(root, "scalar-0d", config([-1.0, 0.0, 1.0], 0.5, "bfloat16", "float32"),
           np.array(3.14159, np.float32))
+    # added with the "scales" key: 2-D float32 arrays whose columns differ in scale by 10^6.
+    # Nearest scaled centre (tolerance "inf"), with NaN, ±Inf, a huge value and -0.0
+    scales = float32_exact([1e-3, 0.37, 2.0, 1234.5])
+    x = (np.random.default_rng(7).standard_normal((6, 4)) * 0.3 * scales).astype(np.float32)
+    x[1, 0], x[2, 1], x[3, 2], x[4, 3], x[5, 0] = np.nan, np.inf, -np.inf, 3e38, -0.0
+    write(root, "float32-scaled", config(CODEBOOK, "inf", "bfloat16", "float32", scales), x)
+    # tolerance 0: exact scaled centres (they read back bit for bit) and off-centre values,
+    # protected as bfloat16 (0.3, 1.0078125); 1.001 in the scale-2.0 column rounds to
+    # 1.0 = 0.5 * 2.0 in bfloat16, so it takes that centre's id (what decode-then-encode gives)
+    scales = float32_exact([0.01, 3.7, 2.0])
+    ids = np.random.default_rng(11).integers(0, len(CODEBOOK), (5, 3))
+    x = (np.asarray(CODEBOOK, np.float32)[ids] * np.asarray(scales, np.float32)).astype(np.float32)
+    x[0, 0], x[1, 1], x[2, 2], x[3, 0], x[4, 1] = 0.3, 1.0078125, 1.001, np.nan, -0.0
+    write(root, "float32-scaled-exact", config(CODEBOOK, 0.0, "bfloat16", "float32", scales), x)
 
 
 if __name__ == "__main__":
