@@ -183,6 +183,8 @@ class Quantizer:
         object.__setattr__(self, "protected", dtypes.by_codec_name(self.protected_dtype))
         object.__setattr__(self, "id_dtype", _payload.id_dtype(_payload.id_width_for(self.levels)))
         object.__setattr__(self, "scale32", None if self.scales is None else _check_scales(self.scales, self.dtype))
+        if self.scale32 is not None:
+            _check_scaled_centres(centres, self.scale32)
 
     # lookup tables derived in __post_init__ (not part of the identity)
     centres: np.ndarray = field(init=False, repr=False, compare=False)
@@ -250,7 +252,7 @@ class Quantizer:
         rows = self._rows(x.size)
         columns = np.tile(np.arange(self.scale32.size, dtype=np.intp), rows)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            u = (x.reshape(rows, -1) / self.scale32).reshape(-1)
+            u = (x.reshape(rows, self.scale32.size) / self.scale32).reshape(-1)
         ids = nearest_index(u, self.centres).astype(self.id_dtype, copy=False)
         ok = self._scaled_ok(x, ids, columns)
         for step in (-1, 1):  # the other side of a midpoint the division rounded across
@@ -389,7 +391,7 @@ class Quantizer:
         out = like(self.table, xp).take(payload.ids)
         if self.scale32 is not None:
             rows = self._rows(int(payload.ids.size))
-            out = (out.reshape(rows, -1) * like(self.scale32, xp)).reshape(-1)
+            out = (out.reshape(rows, self.scale32.size) * like(self.scale32, xp)).reshape(-1)
         if payload.protected.size:
             out[payload.ids == self.levels - 1] = like(
                 self._unprotect(payload.protected, payload.protected_dtype), xp
@@ -431,13 +433,28 @@ def _check_scales(scales: tuple[float, ...], dtype: str) -> np.ndarray:
     s64 = np.asarray(scales, np.float64)
     with np.errstate(over="ignore"):
         s32 = s64.astype(np.float32)
-    bad = ~(np.isfinite(s32) & (s32 > 0) & (s32.astype(np.float64) == s64))
+    # normal float32 only: a subnormal scale rounds the scaled centres together
+    bad = ~(np.isfinite(s32) & (s32 >= np.finfo(np.float32).tiny) & (s32.astype(np.float64) == s64))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise FormatError(f"Expected every scale of the {CODEC_ID} configuration to be a finite float32 "
                           f"> 0. Got scales[{i}] = {scales[i]!r} instead.")
     s32.setflags(write=False)
     return s32
+
+
+def _check_scaled_centres(centres: np.ndarray, scales: np.ndarray) -> None:
+    """Every column's scaled centres (float32 products) finite and strictly ascending: two
+    centres that one scale rounds together would make decoding then encoding move an id."""
+    with np.errstate(over="ignore"):
+        scaled = np.multiply(centres[None, :], scales[:, None], dtype=np.float32)
+    ok = np.isfinite(scaled).all(axis=1) & (np.diff(scaled, axis=1) > 0).all(axis=1)
+    if not ok.all():
+        j = int(np.flatnonzero(~ok)[0])
+        raise FormatError(
+            f"Expected the codebook's centres times every scale to stay finite and distinct in float32. "
+            f"Got scales[{j}] = {float(scales[j])!r}, which overflows or rounds two centres together, instead."
+        )
 
 
 def _scales(values: Any) -> tuple[float, ...] | None:
@@ -450,7 +467,11 @@ def _scales(values: Any) -> tuple[float, ...] | None:
     if not ok:
         raise FormatError(f"Expected scales as a list of numbers or null in the {CODEC_ID} configuration. "
                           f"Got {values!r:.80} instead.")
-    return tuple(float(c) for c in np.asarray(values, np.float64).reshape(-1))
+    try:
+        return tuple(float(c) for c in np.asarray(values, np.float64).reshape(-1))
+    except (OverflowError, TypeError, ValueError):
+        raise FormatError(f"Expected scales as finite numbers in the {CODEC_ID} configuration. "
+                          f"Got {values!r:.80} instead.") from None
 
 
 def protected_values(values: np.ndarray, dtype: str, protected_dtype: str) -> np.ndarray:
@@ -477,7 +498,7 @@ def _codebook(values: Any) -> tuple[float, ...]:
         )
     try:
         codebook = tuple(float(c) for c in np.asarray(values).reshape(-1)) if ok else None
-    except (TypeError, ValueError):
+    except (OverflowError, TypeError, ValueError):
         codebook = None
     if codebook is None:
         raise FormatError(
@@ -538,6 +559,8 @@ class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec i
                 f"protected_dtype={self.protected_dtype!r}, dtype={self.dtype!r})")
 
     def encode(self, buf: Any) -> bytes:
+        if self.scales is not None and isinstance(buf, np.ndarray):
+            buf = np.ascontiguousarray(buf)  # columns are the last axis in C order, not memory order
         arr = ensure_contiguous_ndarray(buf)
         carrier = _carrier(self.dtype)
         if arr.dtype != carrier:
