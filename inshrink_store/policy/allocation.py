@@ -26,6 +26,7 @@ import numpy as np
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
 from inshrink_store.plans import ArrayPlan
+from inshrink_store.policy.channels import channel_scales, normalised, scalable, scaled_quantize
 from inshrink_store.policy.config import PROTECTED_DTYPES, QuantConfig
 from inshrink_store.policy.partition import (
     PartitionCache,
@@ -37,6 +38,7 @@ from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.rate_distortion import LADDER, Option, allocate, tensor_options
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
+from inshrink_store.policy.sensitivity import role_weights, weights_from_sensitivity
 from inshrink_store.policy.sketch import LogSketch
 from inshrink_store.writer import write_threads
 
@@ -52,7 +54,9 @@ class Allocation:
     of ``||w - q|| / ||w||``, e.g. 0.05). ``protect`` of each tensor's values by magnitude (and
     sensitivity, when known) are kept in ``protected_dtype``; ``levels`` is the ladder of
     codebook sizes priced per tensor; tensors that are 1-D or smaller than ``min_numel`` stay
-    lossless. No pruning: levels alone carry the trade-off."""
+    lossless. ``channel_scales``: 2-D float32 tensors are also priced with one scale per
+    column (:mod:`~inshrink_store.policy.channels`), and keep that form where it is cheaper at
+    equal error. No pruning: levels alone carry the trade-off."""
 
     target_ratio: float | None = None
     max_error: float | None = None
@@ -61,6 +65,7 @@ class Allocation:
     levels: tuple[int, ...] = LADDER
     min_numel: int = 4096
     codebook_reuse_tolerance: float = 1.10
+    channel_scales: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
@@ -85,6 +90,7 @@ class Allocation:
              "min_numel an int >= 1", self.min_numel),
             (_positive(self.codebook_reuse_tolerance) and self.codebook_reuse_tolerance >= 1,
              "codebook_reuse_tolerance a number >= 1", self.codebook_reuse_tolerance),
+            (isinstance(self.channel_scales, bool), "channel_scales true or false", self.channel_scales),
         ]
         for ok, what, got in checks:
             if not ok:
@@ -127,31 +133,34 @@ class Allocation:
 
 @dataclass(frozen=True)
 class AllocationDecision:
-    """What an allocation chose: levels per tensor (None: lossless), and the estimates it made
-    them from: the ratio of the planned scope and the RMS relative error of the quantized ones."""
+    """What an allocation chose: levels per tensor (None: lossless), which tensors are stored
+    channel-scaled, and the estimates it made them from: the ratio of the planned scope and
+    the RMS relative error of the quantized ones."""
 
     levels: Mapping[str, int | None] = field(default_factory=dict)
     estimated_ratio: float = 0.0
     estimated_rms_error: float = 0.0
+    scaled: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {"levels": dict(self.levels), "estimated_ratio": self.estimated_ratio,
-                "estimated_rms_error": self.estimated_rms_error}
+                "estimated_rms_error": self.estimated_rms_error, "scaled": sorted(self.scaled)}
 
 
 class _LazyPlans(Mapping[str, ArrayPlan]):
     """Each chosen tensor quantized when the writer asks for it (one in memory at a time)."""
 
     def __init__(self, planner: AllocationPlanner, inputs: Mapping[str, TensorInput],
-                 levels: Mapping[str, int], dtypes: Mapping[str, str]) -> None:
+                 levels: Mapping[str, int], dtypes: Mapping[str, str], scaled: frozenset[str] = frozenset()) -> None:
         self._planner, self._inputs, self._levels, self._dtypes = planner, inputs, levels, dtypes
+        self._scaled = scaled
 
     def __getitem__(self, path: str) -> ArrayPlan:
         if path not in self._levels:
             raise KeyError(path)
         spec = self._planner.allocation
-        q = quantize_tensor(self._inputs[path], spec.config_for(self._levels[path]),
-                            cache=self._planner.cache, name=path)
+        quantize = scaled_quantize if path in self._scaled else quantize_tensor
+        q = quantize(self._inputs[path], spec.config_for(self._levels[path]), cache=self._planner.cache, name=path)
         self._planner.results[path] = q.stats
         return array_plan(q, self._dtypes[path], spec.protected_dtype)
 
@@ -174,9 +183,16 @@ class AllocationPlanner:
     written tensor's quantization statistics."""
 
     def __init__(self, allocation: Allocation, sensitivity: Mapping[str, np.ndarray] | None = None,
-                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None) -> None:
+                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None,
+                 weights: Mapping[str, float] | None = None,
+                 importance: Mapping[str, np.ndarray] | None = None) -> None:
         self.allocation = allocation
+        #: path -> per-element importance (a diagonal Fisher): errors priced by what they do
+        self.importance = dict(importance or {})
         self.sensitivity = dict(sensitivity or {})
+        #: path -> how much its error matters to the output (None: measured from nothing,
+        #: the role defaults of :mod:`inshrink_store.policy.sensitivity` apply)
+        self.weights = None if weights is None else dict(weights)
         self.module_kinds = dict(module_kinds or {})
         self.scope = scope
         self.cache = PartitionCache()
@@ -202,10 +218,23 @@ class AllocationPlanner:
             # the same key quantize_tensor uses for the rest of an unpruned tensor: fitted once
             sketch = self.cache.sketch((path, spec.protect, None, None),
                                        lambda: LogSketch.from_values(w, mask=~protected))
-            return tensor_options(w, dtype=str(t.dtype), protect=spec.protect,
-                                  protected_dtype=spec.protected_dtype, sensitivity=t.sensitivity,
-                                  ladder=spec.levels, lossless_bytes=estimator.lossless_bytes_of(path),
-                                  sketch=sketch, protected=protected)
+            options = tensor_options(w, dtype=str(t.dtype), protect=spec.protect,
+                                     protected_dtype=spec.protected_dtype, sensitivity=t.sensitivity,
+                                     ladder=spec.levels, lossless_bytes=estimator.lossless_bytes_of(path),
+                                     sketch=sketch, protected=protected, importance=self.importance.get(path))
+            if spec.channel_scales and scalable(w, t.dtype):
+                # the same tensor with its columns normalised: the allocation keeps whichever
+                # form removes more cost per byte (scales included in the bytes)
+                scales = channel_scales(w)
+                u = normalised(w, scales)
+                kept = protected_mask(u, t.sensitivity, spec.protect)
+                u_sketch = self.cache.sketch((f"{path}#scaled", spec.protect, None, None),
+                                             lambda: LogSketch.from_values(u, mask=~kept))
+                options += tensor_options(u, dtype=str(t.dtype), protect=spec.protect,
+                                          protected_dtype=spec.protected_dtype, ladder=spec.levels,
+                                          sketch=u_sketch, protected=kept, column_scales=scales,
+                                          importance=self.importance.get(path))
+            return options
 
         priced = map_in_order(price, paths, write_threads(), "inshrink-allocate")
         return inputs, dict(zip(paths, priced, strict=True)), estimator, scope
@@ -213,32 +242,44 @@ class AllocationPlanner:
     def plan(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
              previous: Mapping[str, dict[str, Any]]) -> Mapping[str, ArrayPlan]:
         inputs, options, estimator, _ = self.options(tensors, dtypes, previous)
-        self.decision = decide(self.allocation, options, estimator)
+        self.decision = decide(self.allocation, options, estimator, self.weights_for(options))
         self.results = {}
         levels = {p: lv for p, lv in self.decision.levels.items() if lv is not None}
-        return _LazyPlans(self, inputs, levels, dtypes)
+        return _LazyPlans(self, inputs, levels, dtypes, self.decision.scaled)
+
+    def weights_for(self, options: Mapping[str, Any]) -> dict[str, float]:
+        """The weight of every priced tensor: the given ones; else from the sensitivity
+        scores when every priced tensor has them (the Checkpointer's gradient EMA); else the
+        role defaults."""
+        if self.weights is not None:
+            return {p: self.weights.get(p, 1.0) for p in options}
+        measured = weights_from_sensitivity(self.sensitivity, options) if self.sensitivity else None
+        return measured if measured is not None else role_weights(options, self.module_kinds)
 
     def quantize(self, inputs: Mapping[str, TensorInput], levels: Mapping[str, int],
-                 dtypes: Mapping[str, str]) -> dict[str, ArrayPlan]:
+                 dtypes: Mapping[str, str], scaled: frozenset[str] = frozenset()) -> dict[str, ArrayPlan]:
         """Every chosen tensor quantized now (a search evaluates them all at once)."""
-        plans = _LazyPlans(self, inputs, levels, dtypes)
+        plans = _LazyPlans(self, inputs, levels, dtypes, scaled)
         return {p: plans[p] for p in plans}
 
 
-def decide(spec: Allocation, options: Mapping[str, list[Option]], estimator: RatioEstimator) -> AllocationDecision:
+def decide(spec: Allocation, options: Mapping[str, list[Option]], estimator: RatioEstimator,
+           weights: Mapping[str, float] | None = None) -> AllocationDecision:
     """The levels ``spec`` gets from priced ``options`` (tensors the estimator's scope holds
-    but ``options`` does not stay lossless and count as fixed bytes)."""
+    but ``options`` does not stay lossless and count as fixed bytes), each tensor's cost
+    scaled by its weight (none: all alike)."""
     fixed = sum(estimator.lossless_bytes_of(p) for p in estimator.paths if p not in options)
     if spec.max_error is not None:
-        chosen = allocate(options, max_mean_sq_error=spec.max_error ** 2)
+        chosen = allocate(options, max_mean_sq_error=spec.max_error ** 2, weights=weights)
     else:
         target = float(spec.target_ratio or 1.0)  # one of the two is set (checked at construction)
-        chosen = allocate(options, budget_bytes=estimator.logical_bytes / target - fixed)
+        chosen = allocate(options, budget_bytes=estimator.logical_bytes / target - fixed, weights=weights)
     quantized = [o for o in chosen.values() if o.levels is not None]
     stored = fixed + sum(o.stored_bytes for o in chosen.values())
     rms = math.sqrt(sum(o.sq_error for o in quantized) / len(quantized)) if quantized else 0.0
     return AllocationDecision({p: o.levels for p, o in chosen.items()},
-                              ratio_of(estimator.logical_bytes, int(stored)), rms)
+                              ratio_of(estimator.logical_bytes, int(stored)), rms,
+                              frozenset(p for p, o in chosen.items() if o.scaled and o.levels is not None))
 
 
 #: the target ratios a search over allocations tries (SearchPolicy(allocation_ratios=...))
@@ -280,21 +321,24 @@ class AllocationCandidates:
 
     def __init__(self, base: Allocation, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
                  previous: Mapping[str, dict[str, Any]], *, sensitivity: Mapping[str, np.ndarray] | None = None,
-                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None) -> None:
+                 module_kinds: Mapping[str, str] | None = None, scope: str | None = None,
+                 weights: Mapping[str, float] | None = None,
+                 importance: Mapping[str, np.ndarray] | None = None) -> None:
         self.base, self.dtypes = base, dtypes
-        self.planner = AllocationPlanner(base, sensitivity, module_kinds, scope)
+        self.planner = AllocationPlanner(base, sensitivity, module_kinds, scope, weights, importance)
         self.inputs, self.options, self.estimator, _ = self.planner.options(tensors, dtypes, previous)
+        self.weights = self.planner.weights_for(self.options)
 
     def spec(self, target_ratio: float) -> Allocation:
         return dataclasses.replace(self.base, target_ratio=float(target_ratio), max_error=None)
 
     def decision(self, target_ratio: float) -> AllocationDecision:
-        return decide(self.spec(target_ratio), self.options, self.estimator)
+        return decide(self.spec(target_ratio), self.options, self.estimator, self.weights)
 
     def plans(self, target_ratio: float) -> PlanSet:
         """The quantized plans of one target (values made now), measured by the estimate."""
         made = self.decision(target_ratio)
         levels = {p: lv for p, lv in made.levels.items() if lv is not None}
-        plans = self.planner.quantize(self.inputs, levels, self.dtypes)
+        plans = self.planner.quantize(self.inputs, levels, self.dtypes, made.scaled)
         stored = self.estimator.logical_bytes / made.estimated_ratio if made.estimated_ratio else 0
         return PlanSet(None, plans, self.estimator.logical_bytes, int(stored))

@@ -128,11 +128,13 @@ class QuantizedTensor:
     """``values``: float32, same shape, only centres / 0.0 / protected values;
     ``codebook``: sorted centres, each exact in the tensor's dtype; ``stats``: levels,
     pruned_fraction, protected_fraction, rel_l2_error, max_abs_error, codebook_reused,
-    layer_type, prune_threshold."""
+    layer_type, prune_threshold; ``scales``: one per column when the codebook is of
+    normalised values (:mod:`inshrink_store.policy.channels`), else None."""
 
     values: np.ndarray
     codebook: tuple[float, ...]
     stats: Mapping[str, Any] = field(default_factory=dict)
+    scales: tuple[float, ...] | None = None
 
 
 def is_quantizable(t: TensorInput, config: QuantSettings) -> bool:

@@ -65,7 +65,7 @@ def array_plan(q: QuantizedTensor, dtype: str, protected_dtype: str) -> ArrayPla
     and a tolerance-0 nuq serializer (naming the element dtype when the carrier is bits)."""
     entry = dtype_registry.get(dtype)
     codec = NUQZarrCodec(codebook=q.codebook, tolerance=0.0, protected_dtype=protected_dtype,
-                         dtype=entry.codec_name if entry.carried_as_bits else None)
+                         dtype=entry.codec_name if entry.carried_as_bits else None, scales=q.scales)
     return ArrayPlan(entry.from_float32(q.values), codec, q.stats)
 
 

@@ -61,11 +61,13 @@ _OVERHEAD = 64
 @dataclass(frozen=True)
 class Option:
     """One way to store a tensor: ``levels`` codebook centres (None: lossless), the bytes the
-    store would keep and the relative squared error ``||w - q||^2 / ||w||^2`` (0 lossless)."""
+    store would keep and the relative squared error ``||w - q||^2 / ||w||^2`` (0 lossless);
+    ``scaled``: the codebook is of channel-normalised values (:mod:`~inshrink_store.policy.channels`)."""
 
     levels: int | None
     stored_bytes: float
     sq_error: float
+    scaled: bool = False
 
 
 def sample_positions(size: int) -> np.ndarray:
@@ -88,27 +90,50 @@ def _protected_error(values: np.ndarray, protected: np.ndarray, dtype: str, prot
 def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0.005,
                    protected_dtype: str = "bfloat16", sensitivity: np.ndarray | None = None,
                    ladder: Sequence[int] = LADDER, lossless_bytes: float | None = None,
-                   sketch: LogSketch | None = None, protected: np.ndarray | None = None) -> list[Option]:
+                   sketch: LogSketch | None = None, protected: np.ndarray | None = None,
+                   column_scales: np.ndarray | None = None, importance: np.ndarray | None = None) -> list[Option]:
     """Every option for one tensor (float32 ``values`` of logical ``dtype``), cheapest first.
 
     ``protect``: the fraction kept whole by magnitude (and by ``sensitivity`` when given), as
     a save protects them; ``lossless_bytes``: what the tensor costs lossless (adds that
     option; None leaves it out); ``sketch`` and ``protected``: the sketch of the unprotected
-    values and the protected mask, when the caller made them already (the costly parts)."""
+    values and the protected mask, when the caller made them already (the costly parts).
+    ``column_scales``: ``values`` are channel-normalised (divided by these, one per column):
+    the options are then of the scaled form, their errors in the tensor's own units and their
+    bytes with the scales (4 bytes each, in the array's configuration). ``importance``: how
+    much each element's error matters (shaped like the tensor, >= 0: a calibration's diagonal
+    Fisher): the error is then ``sum(F * d^2) / sum(F * w^2)``, so two forms of the tensor are
+    compared by what they do to the output, not by their plain weight error."""
     w = np.ascontiguousarray(values, np.float32)
     if w.size == 0:
         raise FormatError("Expected a non-empty tensor to price. Got an empty one instead.")
     flat = w.ravel()
     protected = (protected_mask(w, sensitivity, protect) if protected is None else protected).ravel()
-    finite = flat[np.isfinite(flat)].astype(np.float64)
-    norm = sum_of_products(finite, finite)
     if sketch is None:
         sketch = LogSketch.from_values(w, mask=~protected.reshape(w.shape))
     positions = sample_positions(flat.size)
+    # each element's error in the tensor's own units, times its importance, is what counts
+    unit_all = None if importance is None else np.asarray(importance, np.float64).reshape(-1)
+    if column_scales is not None:
+        s2 = np.tile(np.asarray(column_scales, np.float64) ** 2, flat.size // len(column_scales))
+        unit_all = s2 if unit_all is None else unit_all * s2
+    metadata = 0 if column_scales is None else 4 * len(column_scales)
+    if unit_all is None:
+        unit = None
+        finite = flat[np.isfinite(flat)].astype(np.float64)
+        norm = sum_of_products(finite, finite)
+    else:
+        unit = unit_all[positions]
+        finite_sq = np.where(np.isfinite(flat), flat.astype(np.float64) ** 2, 0.0)
+        norm = sum_of_products(finite_sq, unit_all)
     x, kept = flat[positions], protected[positions]
     rest = ~kept
     scale = (flat.size - np.count_nonzero(protected)) / max(int(np.count_nonzero(rest)), 1)
-    prot_err = _protected_error(flat, protected, dtype, protected_dtype)
+    original = flat if column_scales is None else \
+        (w * np.asarray(column_scales, np.float32)).astype(np.float32).ravel()
+    prot_err = _protected_error(original, protected, dtype, protected_dtype)
+    if importance is not None:  # its bfloat16 rounding, at the average importance
+        prot_err *= float(np.mean(importance))
     prot_bytes = np.count_nonzero(protected) * _payload.PROTECTED_ITEMSIZE[protected_dtype]
     out = [] if lossless_bytes is None else [Option(None, float(lossless_bytes), 0.0)]
     for levels in ladder:
@@ -117,9 +142,11 @@ def tensor_options(values: np.ndarray, *, dtype: str = "F32", protect: float = 0
         ids = nearest_index(x, centres)
         ids[kept] = centres.size  # the protected id, as in the payload
         d = x[rest].astype(np.float64) - centres[ids[rest]]
-        sq = (sum_of_products(d, d) * scale + prot_err) / norm if norm > 0 else 0.0
+        sq_sum = sum_of_products(d, d) if unit is None else sum_of_products(d, d * unit[rest])
+        sq = (sq_sum * scale + prot_err) / norm if norm > 0 else 0.0
         id_bytes = _coded_ids(ids, centres.size + 1) * flat.size / positions.size
-        out.append(Option(int(levels), id_bytes + prot_bytes + 4 * centres.size + _OVERHEAD, sq))
+        out.append(Option(int(levels), id_bytes + prot_bytes + 4 * centres.size + _OVERHEAD + metadata, sq,
+                          column_scales is not None))
     return sorted(out, key=lambda o: (o.stored_bytes, o.sq_error))
 
 
@@ -154,12 +181,29 @@ def hull(options: Sequence[Option]) -> list[Option]:
     return pts
 
 
+def check_weights(weights: Mapping[str, float] | None, options: Mapping[str, object]) -> dict[str, float]:
+    """Every path of ``options`` with its weight (1 where ``weights`` has none); a weight that
+    is not a finite number > 0 is refused, naming its tensor."""
+    given = dict(weights or {})
+    for name, w in given.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating)) or not (0 < float(w) < float("inf")):
+            raise FormatError(f"Expected the weight of tensor {name!r} to be a finite number > 0. Got {w!r} instead.")
+    return {name: float(given.get(name, 1.0)) for name in options}
+
+
 def allocate(options: Mapping[str, Sequence[Option]], *, budget_bytes: float | None = None,
-             max_mean_sq_error: float | None = None) -> dict[str, Option]:
+             max_mean_sq_error: float | None = None,
+             weights: Mapping[str, float] | None = None) -> dict[str, Option]:
     """Each tensor's option: the least total :func:`cost` within ``budget_bytes`` (summed over
     the tensors), or the fewest bytes whose mean relative squared error is at most
     ``max_mean_sq_error``. Exactly one target. When even the smallest options exceed the
-    budget, they are returned (the caller reports the ratio it got)."""
+    budget, they are returned (the caller reports the ratio it got).
+
+    ``weights`` (path -> a number > 0, 1 for a path it leaves out): how much a unit of one
+    tensor's cost matters to the model's output (:mod:`inshrink_store.policy.sensitivity`);
+    the allocation then minimises the weighted sum. A weight scales a tensor's hull, never
+    reshapes it, so only the order of the steps changes."""
+    weight = check_weights(weights, options)
     if (budget_bytes is None) == (max_mean_sq_error is None):
         raise FormatError("Expected exactly one of budget_bytes and max_mean_sq_error. Got "
                           f"{budget_bytes!r} and {max_mean_sq_error!r} instead.")
@@ -171,7 +215,7 @@ def allocate(options: Mapping[str, Sequence[Option]], *, budget_bytes: float | N
     steps = []  # (-(cost removed per byte), name, index it moves to): best first, ties by name
     for name, h in hulls.items():
         for i in range(1, len(h)):
-            gain = (cost(h[i - 1]) - cost(h[i])) / max(h[i].stored_bytes - h[i - 1].stored_bytes, 1e-9)
+            gain = weight[name] * (cost(h[i - 1]) - cost(h[i])) / max(h[i].stored_bytes - h[i - 1].stored_bytes, 1e-9)
             steps.append((-gain, name, i))
     steps.sort()
     total_bytes = sum(h[0].stored_bytes for h in hulls.values())
