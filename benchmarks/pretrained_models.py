@@ -116,7 +116,8 @@ def functional_weights(state: dict[str, np.ndarray], forward: Callable[[dict[str
     :func:`inshrink_store.policy.sensitivity.weights_from_fisher`."""
     from inshrink_store.policy.sensitivity import weights_from_fisher
 
-    params = {k: torch.from_numpy(np.array(v, np.float32)).requires_grad_(True) for k, v in state.items()}
+    # running statistics (batch norm's mean and variance) are buffers, not parameters: no gradient
+    params = {k: torch.from_numpy(np.array(v, np.float32)).requires_grad_("running" not in k) for k, v in state.items()}
     fisher = {k: np.zeros(v.shape) for k, v in state.items()}
     generator = torch.Generator().manual_seed(0)
     for _ in range(draws):

@@ -451,9 +451,9 @@ def _check_scales(scales: tuple[float, ...], dtype: str) -> np.ndarray:
 def _check_scaled_centres(centres: np.ndarray, scales: np.ndarray) -> None:
     """Every column's scaled centres (float32 products) finite and strictly ascending: two
     centres that one scale rounds together would make decoding then encoding move an id."""
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         scaled = np.multiply(centres[None, :], scales[:, None], dtype=np.float32)
-    ok = np.isfinite(scaled).all(axis=1) & (np.diff(scaled, axis=1) > 0).all(axis=1)
+        ok = np.isfinite(scaled).all(axis=1) & (np.diff(scaled, axis=1) > 0).all(axis=1)
     if not ok.all():
         j = int(np.flatnonzero(~ok)[0])
         raise FormatError(

@@ -27,9 +27,11 @@ from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.channels import channel_scales, normalised, scalable, scaled_quantize
+from inshrink_store.policy.compensation import compensated_rounding, protected_positions
 from inshrink_store.policy.config import PROTECTED_DTYPES, QuantConfig
 from inshrink_store.policy.partition import (
     PartitionCache,
+    QuantizedTensor,
     TensorInput,
     protected_mask,
     quantize_tensor,
@@ -161,6 +163,9 @@ class _LazyPlans(Mapping[str, ArrayPlan]):
         spec = self._planner.allocation
         quantize = scaled_quantize if path in self._scaled else quantize_tensor
         q = quantize(self._inputs[path], spec.config_for(self._levels[path]), cache=self._planner.cache, name=path)
+        hessian = self._planner.hessians.get(path)
+        if hessian is not None and q.values.ndim == 2 and hessian.shape == (q.values.shape[1],) * 2:
+            q = compensated(q, self._inputs[path], hessian)
         self._planner.results[path] = q.stats
         return array_plan(q, self._dtypes[path], spec.protected_dtype)
 
@@ -185,10 +190,14 @@ class AllocationPlanner:
     def __init__(self, allocation: Allocation, sensitivity: Mapping[str, np.ndarray] | None = None,
                  module_kinds: Mapping[str, str] | None = None, scope: str | None = None,
                  weights: Mapping[str, float] | None = None,
-                 importance: Mapping[str, np.ndarray] | None = None) -> None:
+                 importance: Mapping[str, np.ndarray] | None = None,
+                 hessians: Mapping[str, np.ndarray] | None = None) -> None:
         self.allocation = allocation
         #: path -> per-element importance (a diagonal Fisher): errors priced by what they do
         self.importance = dict(importance or {})
+        #: path -> a Linear weight's input second moment ``sum x x^T``: its rounding then
+        #: minimises the output error (:mod:`inshrink_store.policy.compensation`)
+        self.hessians = dict(hessians or {})
         self.sensitivity = dict(sensitivity or {})
         #: path -> how much its error matters to the output (None: measured from nothing,
         #: the role defaults of :mod:`inshrink_store.policy.sensitivity` apply)
@@ -263,6 +272,24 @@ class AllocationPlanner:
         return {p: plans[p] for p in plans}
 
 
+def compensated(q: QuantizedTensor, t: TensorInput, hessian: np.ndarray) -> QuantizedTensor:
+    """``q`` with its centres re-chosen to minimise the layer's output error (same codebook,
+    scales and protected values, so the same kind of plan)."""
+    w = np.asarray(t.values, np.float32)
+    scales = None if q.scales is None else np.asarray(q.scales, np.float32)
+    held = protected_positions(q.values, np.asarray(q.codebook, np.float32), scales)
+    values = compensated_rounding(w, q.values, np.asarray(q.codebook, np.float32), hessian,
+                                  protected=held, scales=scales)
+    stats = dict(q.stats)
+    stats["compensated"] = True
+    finite = np.isfinite(w)
+    d = np.where(finite, w.astype(np.float64) - values, 0.0)
+    norm = float(np.sqrt(np.where(finite, w.astype(np.float64) ** 2, 0.0).sum()))
+    stats["rel_l2_error"] = float(np.sqrt((d * d).sum())) / norm if norm > 0 else 0.0
+    stats["max_abs_error"] = float(np.abs(d).max(initial=0.0))
+    return QuantizedTensor(values, q.codebook, stats, q.scales)
+
+
 def decide(spec: Allocation, options: Mapping[str, list[Option]], estimator: RatioEstimator,
            weights: Mapping[str, float] | None = None) -> AllocationDecision:
     """The levels ``spec`` gets from priced ``options`` (tensors the estimator's scope holds
@@ -323,9 +350,10 @@ class AllocationCandidates:
                  previous: Mapping[str, dict[str, Any]], *, sensitivity: Mapping[str, np.ndarray] | None = None,
                  module_kinds: Mapping[str, str] | None = None, scope: str | None = None,
                  weights: Mapping[str, float] | None = None,
-                 importance: Mapping[str, np.ndarray] | None = None) -> None:
+                 importance: Mapping[str, np.ndarray] | None = None,
+                 hessians: Mapping[str, np.ndarray] | None = None) -> None:
         self.base, self.dtypes = base, dtypes
-        self.planner = AllocationPlanner(base, sensitivity, module_kinds, scope, weights, importance)
+        self.planner = AllocationPlanner(base, sensitivity, module_kinds, scope, weights, importance, hessians)
         self.inputs, self.options, self.estimator, _ = self.planner.options(tensors, dtypes, previous)
         self.weights = self.planner.weights_for(self.options)
 

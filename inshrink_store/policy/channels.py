@@ -37,6 +37,8 @@ from inshrink_store.policy.settings import QuantSettings
 
 #: the writer's chunks must keep a row whole: rows wider than this many bytes stay unscaled
 MAX_ROW_BYTES = 1 << 22
+#: a column this large times a normalised centre (tens at most) would overflow float32
+MAX_SCALE = 1e30
 
 
 def scalable(values: np.ndarray, dtype: str | None) -> bool:
@@ -44,7 +46,7 @@ def scalable(values: np.ndarray, dtype: str | None) -> bool:
     float32 only), 2-D (a Linear or Embedding weight: columns are input channels), at most
     :data:`~inshrink_store.codecs.nuq.MAX_SCALES` columns and rows the writer keeps whole."""
     return (dtype == "F32" and values.ndim == 2 and 1 <= values.shape[-1] <= MAX_SCALES
-            and values.shape[-1] * 4 <= MAX_ROW_BYTES)
+            and values.shape[-1] * 4 <= MAX_ROW_BYTES and float(channel_scales(values).max()) <= MAX_SCALE)
 
 
 def channel_scales(values: np.ndarray) -> np.ndarray:
@@ -83,6 +85,11 @@ def scaled_quantize(t: TensorInput, config: QuantSettings, *, cache: PartitionCa
     inner = dataclasses.replace(t, values=u)
     q = quantize_tensor(inner, config, cache=cache, name=None if name is None else f"{name}#scaled")
     centres = np.asarray(q.codebook, np.float32)
+    with np.errstate(over="ignore"):
+        products = np.multiply(centres[None, :], scales[:, None], dtype=np.float32)
+    if not (np.isfinite(products).all() and (np.diff(products, axis=1) > 0).all()):
+        # the codec refuses scales that overflow or merge two centres: store it unscaled
+        return quantize_tensor(t, config, cache=cache, name=name)
     planned_u = q.values.reshape(-1)
     ids = nearest_index(planned_u, centres)
     on_centre = np.isfinite(planned_u) & (centres[ids] == planned_u)
@@ -107,7 +114,7 @@ def scaled_quantize(t: TensorInput, config: QuantSettings, *, cache: PartitionCa
 def _errors(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
     """(||w - out|| / ||w||, max |w - out|) over the finite elements, in float64."""
     finite = np.isfinite(w)
-    d = np.where(finite, w.astype(np.float64) - out, 0.0)
+    d = np.where(finite, w, 0.0).astype(np.float64) - np.where(finite, out, 0.0)
     norm = float(np.sqrt(np.where(finite, w.astype(np.float64) ** 2, 0.0).sum()))
     err = float(np.sqrt((d * d).sum()))
     return (err / norm if norm > 0 else 0.0), float(np.abs(d).max(initial=0.0))

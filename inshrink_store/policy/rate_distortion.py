@@ -186,7 +186,7 @@ def check_weights(weights: Mapping[str, float] | None, options: Mapping[str, obj
     is not a finite number > 0 is refused, naming its tensor."""
     given = dict(weights or {})
     for name, w in given.items():
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating)) or not (0 < float(w) < float("inf")):
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating, np.integer)) or not (0 < float(w) < float("inf")):
             raise FormatError(f"Expected the weight of tensor {name!r} to be a finite number > 0. Got {w!r} instead.")
     return {name: float(given.get(name, 1.0)) for name in options}
 

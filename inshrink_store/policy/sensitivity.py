@@ -63,7 +63,7 @@ _ROLE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("embedding", r"(word_embed|token_embed|tok_embed|embed_tokens|\bwte\b|shared\.weight|embeddings?\.weight$|token_type_embed)"),
         ("attention.query_key", r"(\bquery\b|\bkey\b|\bq_proj\b|\bk_proj\b|\bq_lin\b|\bk_lin\b|\bwq\b|\bwk\b|\bto_q\b|\bto_k\b)"),
         ("attention.value", r"(\bvalue\b|\bv_proj\b|\bv_lin\b|\bwv\b|\bto_v\b|\bc_attn\b|\bqkv\b|in_proj)"),
-        ("attention.output", r"(attention\.output\.dense|\bo_proj\b|\bout_proj\b|\bout_lin\b|attn\.c_proj|\bwo\b|\bto_out\b)"),
+        ("attention.output", r"(attention\.output\.dense|\bo_proj\b|\bout_proj\b|\bout_lin\b|attn\.c_proj|attention\.wo\b|\bto_out\b)"),
         ("mlp.in", r"(intermediate\.dense|\bfc1\b|\bup_proj\b|\bgate_proj\b|\bc_fc\b|\blin1\b|\bw1\b|\bw3\b|\bwi\b|\bwi_[01]\b)"),
         ("mlp.out", r"(output\.dense|\bfc2\b|\bdown_proj\b|mlp\.c_proj|\blin2\b|\bw2\b|\bwo\b)"),
         ("head", r"(lm_head|\bclassifier\b|\bhead\b|\bcls\b|\bpooler\b)"),
@@ -122,7 +122,9 @@ def weights_from_fisher(fisher: Mapping[str, np.ndarray], tensors: Mapping[str, 
             raise FormatError(f"Expected a finite, non-negative Fisher diagonal for tensor {p!r}. Got "
                               "negative or non-finite entries instead.")
         seen = 1.0 if rows_seen is None else float(rows_seen.get(p, 1.0))
-        raw[p] = float(np.mean(w * w)) * float(f.sum()) / max(seen, 1e-9)
+        finite = w[np.isfinite(w)]
+        mean_sq = float(np.mean(finite * finite)) if finite.size else 0.0
+        raw[p] = mean_sq * float(f.sum()) / max(seen, 1e-9)
     return _normalised(raw)
 
 

@@ -10,7 +10,12 @@ shards), and :class:`DistributedCheckpointer` adds the configuration search.
 """
 
 from inshrink_store.policy import SearchPolicy
-from inshrink_store.torch.calibration import allocate, calibration_fisher, calibration_weights
+from inshrink_store.torch.calibration import (
+    allocate,
+    calibration_fisher,
+    calibration_hessians,
+    calibration_weights,
+)
 from inshrink_store.torch.checkpointer import (
     DEFAULT_CONFIG,
     BackgroundSaveError,
@@ -42,7 +47,8 @@ from inshrink_store.torch.tensors import (
 __all__ = [
     "DEFAULT_CONFIG", "TORCH_DTYPES", "BackgroundSaveError", "Checkpointer", "DistributedCheckpointer",
     "InshrinkStorageReader", "InshrinkStorageWriter", "PretrainedExport", "RNGState", "Retention",
-    "SearchPolicy", "allocate", "array_to_tensor", "calibration_fisher", "calibration_weights",
+    "SearchPolicy", "allocate", "array_to_tensor", "calibration_fisher", "calibration_hessians",
+    "calibration_weights",
     "arrays_to_state", "config_json", "export_pretrained", "export_safetensors", "export_state",
     "export_tensors", "export_torch", "import_file",
     "load_checkpoint_file", "load_state",

@@ -20,14 +20,18 @@ The model's parameters and gradients are left as they were; nothing is written. 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from inshrink_store.errors import InvalidInputError
+from inshrink_store.errors import InvalidInputError, require
 from inshrink_store.policy.allocation import Allocation, AllocationPlanner
 from inshrink_store.policy.sensitivity import weights_from_fisher
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = require("torch", "torch")  # a clear MissingDependencyError, not a bare ImportError
 
 #: random output projections averaged for J^T J (the estimate's relative noise ~ 1/sqrt(draws))
 DRAWS = 8
@@ -68,7 +72,7 @@ def calibration_fisher(model: torch.nn.Module, calibration: Any, *, loss: Callab
         raise InvalidInputError(f"Expected draws to be an int >= 1. Got {draws!r} instead.")
     params = dict(model.named_parameters())
     saved = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params.items()}
-    was_training = model.training
+    was_training = {m: m.training for m in model.modules()}
     fisher: dict[str, torch.Tensor] = {}
     try:
         model.eval()
@@ -100,7 +104,8 @@ def calibration_fisher(model: torch.nn.Module, calibration: Any, *, loss: Callab
         model.zero_grad(set_to_none=True)
         for n, p in params.items():
             p.grad = saved[n]
-        model.train(was_training)
+        for m, mode in was_training.items():  # each submodule as it was (a frozen norm stays eval)
+            m.training = mode
     return {n: (f / passes).cpu().numpy() for n, f in fisher.items()}
 
 
@@ -116,17 +121,51 @@ def calibration_weights(model: torch.nn.Module, calibration: Any, *, loss: Calla
     return {prefix + n: w for n, w in weights_from_fisher(full, tensors).items()}
 
 
+def calibration_hessians(model: torch.nn.Module, calibration: Any) -> dict[str, np.ndarray]:
+    """``name.weight`` -> ``sum x x^T`` (float64 numpy, ``(in, in)``) over every input row each
+    ``nn.Linear`` of the model saw in one forward pass on ``calibration`` (a batch, or a
+    callable ``model -> loss``, whose forward pass is the one observed)."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def observe(name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
+        return hook
+
+    handles = [module.register_forward_hook(observe(f"{name}.weight"))
+               for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    was_training = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            if callable(calibration) and not isinstance(calibration, torch.nn.Module):
+                calibration(model)
+            else:
+                _run(model, calibration)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in was_training.items():
+            m.training = mode
+    return {n: h.cpu().numpy() for n, h in sums.items()}
+
+
 def allocate(model: torch.nn.Module, *, target_ratio: float | None = None, max_error: float | None = None,
              calibration: Any = None, loss: Callable[[Any], torch.Tensor] | None = None, prefix: str = "",
-             **options: Any) -> AllocationPlanner:
+             compensate: bool = True, **options: Any) -> AllocationPlanner:
     """The planner of ``Allocation(target_ratio=..., **options)`` for this model's state dict
     saved under ``prefix`` (``""`` for ``repo.save(model.state_dict())``, ``"model/"`` for a
     Checkpointer-style state): weights from ``calibration`` when given, else each tensor's
     role (:func:`~inshrink_store.policy.sensitivity.role_weights`); module kinds from the
-    model (embeddings are recognised by class)."""
+    model (embeddings are recognised by class). With ``calibration`` and ``compensate``, each
+    ``nn.Linear`` weight is also rounded to minimise its output error on the calibration
+    inputs (:mod:`inshrink_store.policy.compensation`): same bytes, better outputs."""
     spec = Allocation(target_ratio=target_ratio, max_error=max_error, **options)
     kinds = {f"{prefix}{module_name + '.' if module_name else ''}{param_name}": type(module).__name__
              for module_name, module in model.named_modules()
              for param_name, _ in module.named_parameters(recurse=False)}
     weights = None if calibration is None else calibration_weights(model, calibration, loss=loss, prefix=prefix)
-    return AllocationPlanner(spec, module_kinds=kinds, weights=weights)
+    hessians = {} if calibration is None or not compensate else {
+        prefix + n: h for n, h in calibration_hessians(model, calibration).items()}
+    return AllocationPlanner(spec, module_kinds=kinds, weights=weights, hessians=hessians)

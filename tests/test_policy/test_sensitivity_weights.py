@@ -180,8 +180,6 @@ def test_good_weights_of_every_number_type_are_taken() -> None:
     assert check_weights(None, tensors) == {"a": 1.0, "b": 1.0, "c": 1.0}
 
 
-@pytest.mark.xfail(strict=True, reason="check_weights refuses numpy integers (np.int64(2) is a finite number > 0): "
-                                       "it accepts int, float and np.floating only")
 def test_numpy_integer_weights_are_taken() -> None:
     assert check_weights({"a": np.int64(2)}, {"a": [Option(4, 1.0, 0.1)]}) == {"a": 2.0}
 
@@ -244,8 +242,6 @@ def test_meta_llama_wo_is_the_attention_output() -> None:
     assert role_of("layers.0.feed_forward.w2.weight") == "mlp.out"
 
 
-@pytest.mark.xfail(strict=True, reason="T5's DenseReluDense.wo (the MLP's output) matches the attention.output "
-                                       r"pattern's \bwo\b first; the mlp.out pattern's \bwo\b is unreachable")
 def test_t5_mlp_wo_is_the_mlp_output() -> None:
     assert role_of("encoder.block.0.layer.1.DenseReluDense.wi.weight") == "mlp.in"  # passes
     assert role_of("encoder.block.0.layer.1.DenseReluDense.wo.weight") == "mlp.out"
@@ -349,9 +345,6 @@ def test_a_tensor_the_calibration_never_reached_is_priced_a_little_never_free() 
     assert weights_from_fisher({}, {}, paths=[]) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="weights_from_fisher takes mean(w^2) over every value: one NaN (or inf) "
-                                       "in one tensor makes the raw mean non-finite and every tensor's measured "
-                                       "weight silently falls back to 1.0")
 def test_a_nan_in_one_tensor_keeps_the_other_tensors_measured_weights() -> None:
     tensors = {"a": np.array([1.0, np.nan, 1.0]), "b": np.full(3, 1.0), "c": np.full(3, 10.0)}
     fisher = {k: np.ones(3) for k in tensors}
@@ -483,10 +476,6 @@ def test_scaled_plans_are_exactly_what_the_codec_stores_at_tolerance_zero(
     assert _same(again.values, q.values)  # deterministic
 
 
-@pytest.mark.xfail(strict=True, reason="scaled_quantize's _errors computes w - out before masking the non-finite "
-                                       "elements: inf - inf raises numpy's 'invalid value encountered in subtract' "
-                                       "RuntimeWarning (an error under this project's filterwarnings); "
-                                       "quantize_tensor on the same tensor is silent")
 def test_scaled_quantize_of_inf_values_is_silent() -> None:
     w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     w[3, 4], w[5, 5] = np.inf, np.nan
@@ -497,17 +486,14 @@ def test_scaled_quantize_of_inf_values_is_silent() -> None:
         scaled_quantize(TensorInput(w), config)
 
 
-@pytest.mark.xfail(strict=True, reason="scaled_quantize plans a column whose scale times the codebook's largest "
-                                       "centre overflows float32; the inshrink.nuq codec refuses those scales "
-                                       "(FormatError at construction), so the plan cannot be stored")
 def test_scaled_plans_of_a_column_near_float32_max_are_storable() -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_t(3, (256, 64)).astype(np.float32)
     w[:, 0] = 3e38  # a finite column whose rms is its value
     q = scaled_quantize(TensorInput(w), QuantConfig(bins=8, prune=0.0))
-    with warnings.catch_warnings():  # the codec's check of the scaled centres subtracts infinities
-        warnings.simplefilter("ignore", RuntimeWarning)
-        codec = NUQ(list(q.codebook), tolerance=0, scales=list(q.scales))
+    # scales that would overflow the codec's products: the tensor is planned unscaled instead
+    assert q.scales is None
+    codec = NUQ(list(q.codebook), tolerance=0)
     assert _same(codec.decode(codec.encode(q.values)).reshape(w.shape), q.values)
 
 
@@ -599,10 +585,6 @@ def test_a_save_stores_the_scaled_form_it_chose_and_reads_back_its_plans(memory_
             assert _codec_scales(repo, info_off.id, path) is None
 
 
-@pytest.mark.xfail(strict=True, reason="the allocation prices and picks the scaled form of a tensor with a column "
-                                       "near float32's largest value; its scales times the codebook overflow, and "
-                                       "the save then fails with the codec's FormatError instead of storing the "
-                                       "tensor (unscaled, or with that column's values protected)")
 def test_a_save_with_a_huge_column_does_not_fail(memory_url: str) -> None:
     rng = np.random.default_rng(0)
     s = np.logspace(-1, 1, 256)[rng.permutation(256)]

@@ -115,9 +115,6 @@ def test_a_grad_is_restored_as_a_copy_not_zeroed_or_accumulated_into() -> None:
     assert torch.equal(grad, torch.full_like(grad, 0.5))
 
 
-@pytest.mark.xfail(strict=True, reason="calibration_fisher restores only the top module's mode with "
-                                       "model.train(was_training): a submodule that was in eval mode in a training "
-                                       "model (a frozen BatchNorm, a disabled Dropout) comes back in train mode")
 def test_a_submodule_in_eval_mode_stays_in_eval_mode() -> None:
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4))
     model.train()
