@@ -127,6 +127,13 @@ def import_(
     max_error: Annotated[float | None, typer.Option(
         "--max-error", help="Instead of --bins: the fewest bytes whose root-mean-square relative "
         "weight error over the quantized tensors is at most this (e.g. 0.05).")] = None,
+    calibrate: Annotated[Path | None, typer.Option(
+        "--calibrate", help="With --target-ratio or --max-error: a UTF-8 text file, one example per line "
+        "(up to 256 are used), on which the model is run to measure which tensors matter and to round "
+        "its Linear layers for their outputs. The checkpoint must be a .safetensors file in a Hugging Face "
+        "model folder (config.json and the tokenizer beside it) of a text model transformers builds with "
+        "AutoModel (BERT, RoBERTa, DistilBERT, MiniLM, MPNet, GPT-2...). Without it, tensors are weighted "
+        "by their role (embeddings, attention, MLP).")] = None,
 ) -> None:
     """Import a checkpoint file as a new version; prints the snapshot id.
 
@@ -135,6 +142,9 @@ def import_(
     from inshrink_store.torch import load_checkpoint_file, save_state
 
     quantize = _check_allocation_options(target_ratio, max_error, bins, prune, protect, embedding_bins)
+    if calibrate is not None and quantize is None:
+        raise typer.BadParameter("Expected --target-ratio or --max-error with --calibrate (it tells the "
+                                 "allocation which tensors matter). Got neither instead.", param_hint="'--calibrate'")
     if quantize is None:
         quantize = _check_quantize_options(bins, prune, protect, prune_metric, embedding_bins)
     if optimizer is not None and optimizer not in ("compressed", "lossless"):
@@ -151,6 +161,12 @@ def import_(
             f"Expected a checkpoint file at {str(file)!r}. Got no such file instead; check the path."
         )
     state = load_checkpoint_file(file)  # a file that is no checkpoint fails before a store is created
+    planner: Any = quantize
+    if calibrate is not None and isinstance(quantize, Allocation):
+        from inshrink_store.hf_calibration import calibrated_planner
+
+        # measured before the store is touched: a model that cannot be built fails first
+        planner = calibrated_planner(file, calibrate, quantize, state.get("model", {}).keys())
     repo = _open_for_import(url, create)
     commit: dict[str, Any] = {}
     if quantize is not None:
@@ -161,7 +177,7 @@ def import_(
         commit["metadata"] = {"quantization": record.to_dict()}
     with progress_bar("import") as update:
         info = save_state(repo, state, message=message or file.name, step=step, branch=branch,
-                          quantize=quantize, moments=DEFAULT_MOMENTS if compressed else None,
+                          quantize=planner, moments=DEFAULT_MOMENTS if compressed else None,
                           progress=update, **commit)
     _say(out, info.id)
 
