@@ -377,7 +377,9 @@ assert logical / stored > 8
 
 From the command line: `inshrink import model.pt STORE --target-ratio 12` (or
 `--max-error 0.05`); the version records the target, and each tensor's codebook (hence its
-levels) is in its array's metadata.
+levels) is in its array's metadata. For a `.safetensors` file in a Hugging Face model folder
+(`config.json` and the tokenizer beside it), `--calibrate lines.txt` runs the model on your
+text, one example per line, to measure which tensors matter (next section).
 
 
 ## Transformers: which tensors matter, and channel scales
@@ -400,6 +402,10 @@ allocation weighs each tensor's error by how much it moves the output:
   and `loss=` (the loss's diagonal Fisher), or a function `model -> loss`. A tensor quantized
   with relative squared error `e2` moves each weight by about `sqrt(e2 * mean(w^2))`, so its
   expected effect is `e2 * mean(w^2) * sum(F)`: that is its weight.
+- **Compensated rounding**, with a calibration: each `nn.Linear` weight is rounded column by
+  column, each column's rounding error spread over the columns not yet rounded in the
+  proportions its inputs' second moment `H = sum x x^T` says (as GPTQ does). Same codebook,
+  same bytes; what the layer outputs moves less. `allocate(..., compensate=False)` turns it off.
 - **In training**, the Checkpointer's allocation search uses the gradient statistics it
   already keeps (`|g * w|` per weight; the weight of a tensor is `sum((g * w)^2)`).
 
