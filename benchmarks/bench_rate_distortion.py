@@ -458,23 +458,34 @@ PAGE_TAIL = """
 
 - On CREPE (convolutions, 22 M parameters) the allocation gives the two large convolutions
   (8.4 M parameters each) few levels and the first convolution, the small middle ones and the
-  classifier many. Every one-configuration point is matched or beaten: at cosine 0.99 the
-  allocation stores the model 20.5x smaller, one configuration 16.6x, plain per-tensor
-  k-means + zstd 6.6x. Pricing errors with a knee (see `policy/rate_distortion`) matters at the
-  high end: without it the allocation sent one large convolution to 3 levels at 18x and the
-  cosine fell to 0.925.
+  classifier many. At cosine 0.99 it stores the model 20.5x smaller, one configuration 14.0x,
+  plain per-tensor k-means + zstd 6.6x. Its tensors have no transformer role and are not 2-D,
+  so the default (role weights, channel scales) allocates exactly as before, and calibrating
+  it (its own gradients, measured on other voices) keeps 20.5x. Pricing errors with a knee
+  (see `policy/rate_distortion`) matters at the high end: without it the allocation sent one
+  large convolution to 3 levels at 18x and the cosine fell to 0.925.
+- On MiniLM (a transformer sentence encoder, half of its bytes one 30,522 x 384 embedding
+  table) every tensor's error reaches the output: the sentence embedding keeps 0.99 up to
+  about 8x with any allocation, where one configuration stops at 5.6x and per-tensor k-means
+  never gets there (0.984 at 5.3x). Past that the three allocation curves part: at 10x the allocation that
+  prices every tensor alike keeps 0.966, role weights and channel scales 0.974, calibration
+  with compensated rounding 0.985; at 12x 0.922, 0.939 and 0.964. At 10x the damage is spread
+  over every role (restoring any one role's tensors to their originals lifts the cosine by at
+  most 0.008), so no reallocation reaches 0.99 there: that takes more bits, or a better
+  quantizer than one scalar codebook per tensor. Channel scales are chosen for a few tensors
+  only: they spend the same levels on every column, which costs bytes that relative weight
+  error does not repay, although they lower every column's own error.
 - Resemblyzer (an LSTM read over 160 steps) is far more sensitive: errors compound through the
-  recurrence, so even 254 levels per tensor move its speaker embedding (cosine 0.961 at 4.1x),
-  and no method here reaches 0.99. Between 4x and 6x the allocation is ahead of one
-  configuration (0.874 at 6.1x against 0.881 at 5.75x for 64 levels); past 8x every method has
-  lost the embedding (cosine below 0.6) and the curves cross at random. Keep such a model
-  lossless or at 254 levels, or let the Checkpointer's search judge it with your evaluation.
+  recurrence, so even 64 levels per tensor leave its speaker embedding at cosine 0.87, and no
+  method here reaches 0.99. Keep such a model lossless or at 254 levels, or let the Checkpointer's search
+  judge it with your evaluation.
 - The demo's MLP (1.1 M parameters, trained here) tolerates a lot: 4 levels everywhere still
-  keep its logits at cosine 0.997 (18.2x), and the allocation is at or above one configuration
-  everywhere (16.8x at 0.9998 against 14.2x at 0.9982 for 6 levels).
-- The allocation judges tensors by relative weight error only: it has no data. A model whose
-  sensitivity differs by layer for reasons the weights do not show (recurrence, as here) needs
-  the evaluation-driven search on top (`SearchPolicy(allocation_ratios=...)`).
+  keep its logits at cosine 0.997, and the allocation is at or above one configuration
+  everywhere.
+- Without calibration the allocation judges tensors by their relative weight error and their
+  role: a model whose sensitivity differs by layer for reasons neither shows (recurrence, as
+  in Resemblyzer) needs a calibration or the evaluation-driven search on top
+  (`SearchPolicy(allocation_ratios=...)`).
 
 ## Entropy coding of the level ids
 
