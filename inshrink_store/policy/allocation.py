@@ -33,6 +33,7 @@ from inshrink_store.policy.partition import (
     PartitionCache,
     QuantizedTensor,
     TensorInput,
+    error_stats,
     protected_mask,
     quantize_tensor,
 )
@@ -282,11 +283,7 @@ def compensated(q: QuantizedTensor, t: TensorInput, hessian: np.ndarray) -> Quan
                                   protected=held, scales=scales)
     stats = dict(q.stats)
     stats["compensated"] = True
-    finite = np.isfinite(w)
-    d = np.where(finite, w.astype(np.float64) - values, 0.0)
-    norm = float(np.sqrt(np.where(finite, w.astype(np.float64) ** 2, 0.0).sum()))
-    stats["rel_l2_error"] = float(np.sqrt((d * d).sum())) / norm if norm > 0 else 0.0
-    stats["max_abs_error"] = float(np.abs(d).max(initial=0.0))
+    stats["rel_l2_error"], stats["max_abs_error"] = error_stats(w, values)
     return QuantizedTensor(values, q.codebook, stats, q.scales)
 
 

@@ -31,6 +31,7 @@ from inshrink_store.policy.partition import (
     PartitionCache,
     QuantizedTensor,
     TensorInput,
+    error_stats,
     quantize_tensor,
 )
 from inshrink_store.policy.settings import QuantSettings
@@ -105,17 +106,8 @@ def scaled_quantize(t: TensorInput, config: QuantSettings, *, cache: PartitionCa
     stats = dict(q.stats)
     stats["channel_scaled"] = True
     stats["protected_fraction"] = float(kept.size) / max(w.size, 1)
-    errors = _errors(w, out)
+    errors = error_stats(w, out)
     stats["rel_l2_error"], stats["max_abs_error"] = errors
     return QuantizedTensor(out, tuple(float(c) for c in centres), stats,
                            scales=tuple(float(s) for s in scales))
-
-
-def _errors(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
-    """(||w - out|| / ||w||, max |w - out|) over the finite elements, in float64."""
-    finite = np.isfinite(w)
-    d = np.where(finite, w, 0.0).astype(np.float64) - np.where(finite, out, 0.0)
-    norm = float(np.sqrt(np.where(finite, w.astype(np.float64) ** 2, 0.0).sum()))
-    err = float(np.sqrt((d * d).sum()))
-    return (err / norm if norm > 0 else 0.0), float(np.abs(d).max(initial=0.0))
 

@@ -334,7 +334,7 @@ def _snap(w: np.ndarray, centres: np.ndarray) -> np.ndarray:
     return out.reshape(w.shape)
 
 
-def _error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
+def error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
     """(||w - out|| / ||w||, max |w - out|) over finite elements, blockwise.
 
     Differences are taken in float32 (both sides are float32; a difference of two floats of
@@ -552,7 +552,7 @@ class _Stats(Mapping[str, Any]):
 
     def _fill(self) -> None:
         if self._arrays is not None:
-            self._data["rel_l2_error"], self._data["max_abs_error"] = _error_stats(*self._arrays)
+            self._data["rel_l2_error"], self._data["max_abs_error"] = error_stats(*self._arrays)
             self._arrays = None
 
     def __getitem__(self, key: str) -> Any:

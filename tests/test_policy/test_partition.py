@@ -363,13 +363,13 @@ def _error_stats_float64(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
 @given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=0, max_size=64),
        st.integers(0, 2**31 - 1))
 def test_error_stats_match_a_float64_reference(values: list[float], seed: int) -> None:
-    from inshrink_store.policy.partition import _error_stats
+    from inshrink_store.policy.partition import error_stats
 
     w = np.array(values, np.float32)
     rng = np.random.default_rng(seed)
     out = np.where(np.isfinite(w), (w * rng.uniform(-1.0, 1.0, w.size)).astype(np.float32), w)
     with np.errstate(over="ignore"):
-        rel, peak = _error_stats(w, out)
+        rel, peak = error_stats(w, out)
         ref_rel, ref_peak = _error_stats_float64(w, out)
     assert peak == pytest.approx(ref_peak, rel=1e-6)
     if np.isfinite(ref_rel):
