@@ -26,7 +26,13 @@ import numpy as np
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
 from inshrink_store.plans import ArrayPlan
-from inshrink_store.policy.channels import channel_scales, normalised, scalable, scaled_quantize
+from inshrink_store.policy.channels import (
+    MAX_SCALE,
+    channel_scales,
+    normalised,
+    scalable,
+    scaled_quantize,
+)
 from inshrink_store.policy.compensation import compensated_rounding, protected_positions
 from inshrink_store.policy.config import PROTECTED_DTYPES, QuantConfig
 from inshrink_store.policy.partition import (
@@ -232,10 +238,10 @@ class AllocationPlanner:
                                      protected_dtype=spec.protected_dtype, sensitivity=t.sensitivity,
                                      ladder=spec.levels, lossless_bytes=estimator.lossless_bytes_of(path),
                                      sketch=sketch, protected=protected, importance=self.importance.get(path))
-            if spec.channel_scales and scalable(w, t.dtype):
+            scales = channel_scales(w) if spec.channel_scales and scalable(w, t.dtype) else None
+            if scales is not None and float(scales.max()) <= MAX_SCALE:
                 # the same tensor with its columns normalised: the allocation keeps whichever
                 # form removes more cost per byte (scales included in the bytes)
-                scales = channel_scales(w)
                 u = normalised(w, scales)
                 kept = protected_mask(u, t.sensitivity, spec.protect)
                 u_sketch = self.cache.sketch((f"{path}#scaled", spec.protect, None, None),

@@ -45,9 +45,10 @@ MAX_SCALE = 1e30
 def scalable(values: np.ndarray, dtype: str | None) -> bool:
     """Whether a tensor may be stored channel-scaled: float32 (the codec's scaled form is
     float32 only), 2-D (a Linear or Embedding weight: columns are input channels), at most
-    :data:`~inshrink_store.codecs.nuq.MAX_SCALES` columns and rows the writer keeps whole."""
+    :data:`~inshrink_store.codecs.nuq.MAX_SCALES` columns and rows the writer keeps whole.
+    Its scales must also stay under :data:`MAX_SCALE` (checked where they are computed)."""
     return (dtype == "F32" and values.ndim == 2 and 1 <= values.shape[-1] <= MAX_SCALES
-            and values.shape[-1] * 4 <= MAX_ROW_BYTES and float(channel_scales(values).max()) <= MAX_SCALE)
+            and values.shape[-1] * 4 <= MAX_ROW_BYTES)
 
 
 def channel_scales(values: np.ndarray) -> np.ndarray:
