@@ -106,9 +106,14 @@ class Allocation:
                 raise FormatError(f"Expected {what} in Allocation. Got {got!r} instead.")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-native; ``from_dict(json.loads(json.dumps(d)))`` gives an equal value."""
+        """JSON-native; ``from_dict(json.loads(json.dumps(d)))`` gives an equal value.
+        ``channel_scales`` is written only when off: a record of the default then holds
+        exactly the keys of releases before channel scales, which refuse unknown keys, so
+        they still read every version made with the default."""
         data = asdict(self)
         data["levels"] = list(self.levels)
+        if self.channel_scales:
+            del data["channel_scales"]
         return data
 
     @classmethod

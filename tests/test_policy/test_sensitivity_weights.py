@@ -649,8 +649,20 @@ def test_channel_scales_off_prices_no_scaled_option() -> None:
                       protect=st.sampled_from([0.0, 0.005])))
 def test_allocation_with_channel_scales_round_trips_through_json(spec: Allocation) -> None:
     data = json.loads(json.dumps(spec.to_dict()))
-    assert data["channel_scales"] is spec.channel_scales
+    assert ("channel_scales" in data) is (not spec.channel_scales)  # the default stays unwritten
     assert Allocation.from_dict(data) == spec
+
+
+#: an Allocation record's keys before channel scales existed (what older releases accept)
+_KEYS_BEFORE_CHANNEL_SCALES = {"target_ratio", "max_error", "protect", "protected_dtype", "levels",
+                               "min_numel", "codebook_reuse_tolerance"}
+
+
+def test_a_default_allocation_record_holds_only_keys_older_releases_know() -> None:
+    assert set(Allocation(target_ratio=10).to_dict()) == _KEYS_BEFORE_CHANNEL_SCALES
+    assert set(Allocation(max_error=0.05).to_dict()) == _KEYS_BEFORE_CHANNEL_SCALES
+    off = Allocation(target_ratio=10, channel_scales=False).to_dict()
+    assert off["channel_scales"] is False and set(off) - _KEYS_BEFORE_CHANNEL_SCALES == {"channel_scales"}
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0, None, "true"])
