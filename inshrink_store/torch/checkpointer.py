@@ -468,14 +468,18 @@ class Checkpointer:
         # policy's resume space, whose versions hold the tolerance over many restores (a
         # closed-loop residual searched in RESIDUAL_SPACE met the tolerance at every save
         # and still ended the evaluation's LM +11.8 % after 10 restores, against +2.3 %)
-        policy = self.policy if self.exact_resume else self.policy.resuming()
-        if self.exact_resume and loop is not None and loop.bases and policy.space == SearchSpace():
-            policy = replace(policy, space=RESIDUAL_SPACE)  # a space the user chose is kept
+        policy = self._search_policy(residual=loop is not None and bool(loop.bases))
         # the neighbourhood search starts from the previous version's point only in the
         # space that point came from (keyframes and residuals are searched apart)
-        # (after a restore, the space is unknown: any previous point on this space's axes)
-        same = policy.space == self._previous_space or (
-            self._previous_space is None and _on_axes(policy.space, self._previous))
+        came_from = self._previous_space
+        if came_from is None and self._previous is not None:
+            # after a restore: the space the restored version was searched in, told by its own
+            # objects (a residual's chunks are deltas). A keyframe's point that happens to lie
+            # on the residual space's axes is no start for residuals: on the CNN, the restored
+            # keyframe's 4 levels, 50 % pruned held for a whole chain that had reached 90-95 %
+            restored_residual = loop is not None and any(b.depth >= 1 for b in loop.all_bases.values())
+            came_from = self._search_policy(residual=restored_residual).space
+        same = policy.space == came_from and _on_axes(policy.space, self._previous)
         previous = self._previous if same else None
         self._previous_space = policy.space
         decision = policy.decide(candidates, evaluate, previous=previous)
@@ -483,6 +487,15 @@ class Checkpointer:
         if loop is not None and decision.plans is not None:
             plans = loop.plans(decision.plans, arrays)
         return decision, plans, evaluate
+
+    def _search_policy(self, residual: bool) -> SearchPolicy:
+        """The policy a save searches with: the resume space without a restore residual; the
+        residual space for closed-loop residuals under the default space (a space the user
+        chose is kept for both keyframes and residuals)."""
+        policy = self.policy if self.exact_resume else self.policy.resuming()
+        if self.exact_resume and residual and policy.space == SearchSpace():
+            policy = replace(policy, space=RESIDUAL_SPACE)
+        return policy
 
     def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> SnapshotInfo:
         """``repo.save`` that rides out a gc: waits for it (up to ``gc_wait`` s, logged) and

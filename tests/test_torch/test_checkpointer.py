@@ -542,3 +542,42 @@ def test_an_allocation_search_stores_the_largest_tolerated_target_with_few_evalu
     with pytest.raises(ins.FormatError, match="allocation_ratios"):
         ins.policy.SearchPolicy(allocation_ratios=(0.5,))
     assert policy.resuming().allocation_ratios is None  # resumed-as-stored versions use the resume space
+
+
+def test_after_a_restore_residuals_start_from_the_restored_point_only_when_it_was_a_residual(url: str) -> None:
+    """Default policy, closed loop: the first version is a keyframe (the default space), the
+    next a residual (the residual space). Restoring the keyframe must not start the next
+    residual search from the keyframe's point, even where that point lies on the residual
+    space's axes; restoring the residual continues its neighbourhood."""
+    from inshrink_store.torch.checkpointer import RESIDUAL_SPACE
+
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    anything = ins.policy.SearchPolicy(tolerance=0.5)  # every point is within tolerance
+
+    def checkpointer() -> Checkpointer:
+        return Checkpointer(repo, model, opt, eval_fn=lambda m: 1.0, policy=anything, background=False)
+
+    with checkpointer() as ck:
+        _train(model, opt, x, y, 10, ck)
+        keyframe = ck.save(10)
+        _train(model, opt, x, y, 10, ck)
+        residual = ck.save(20)
+        _train(model, opt, x, y, 10, ck)
+        second = ck.save(30)
+    kf = keyframe.metadata["quantization"]
+    assert kf["search"]["mode"] == "full"
+    # the trap the old rule fell into: the keyframe's point is a point of the residual space
+    assert RESIDUAL_SPACE.index(SearchPoint.from_dict(
+        {k: kf["config"][k] for k in ("bins", "prune", "prune_metric", "protect")})) is not None
+    # keyframes and residuals are searched apart: the first residual searches afresh
+    assert residual.metadata["quantization"]["search"]["mode"] == "full"
+    assert second.metadata["quantization"]["search"]["mode"] == "neighbourhood"
+
+    for restored, mode in ((keyframe.id, "full"), (residual.id, "neighbourhood")):
+        with checkpointer() as ck:
+            ck.restore(restored)
+            _train(model, opt, x, y, 5, ck)
+            info = ck.save(40)
+        assert info.parent == restored
+        assert info.metadata["quantization"]["search"]["mode"] == mode, restored
