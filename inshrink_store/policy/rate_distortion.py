@@ -16,9 +16,10 @@ buy the most error back:
   byte when that is smaller): contexts survive in a contiguous block, so the estimate follows
   the real encoder, not an entropy formula.
 - :func:`allocate` keeps each tensor's lower convex hull of (bytes, cost) and takes the
-  steps up those hulls in order of cost removed per byte (a Lagrangian allocation: at every
-  point no other split of the same bytes has a smaller total cost) until a byte budget is
-  spent or the mean relative squared error reaches a target.
+  steps up those hulls in order of cost removed per byte (a Lagrangian allocation: where it
+  stops at the end of a step in that order, no other split of the same bytes has a smaller
+  total cost) until a byte budget is spent or the mean relative squared error reaches a
+  target.
 
 The cost of an option is its relative squared error ``e2`` with a penalty for large errors,
 ``e2 * (1 + e2 / KNEE**2)``: adding errors up assumes each is small. Measured on CREPE (a
@@ -194,10 +195,14 @@ def check_weights(weights: Mapping[str, float] | None, options: Mapping[str, obj
 def allocate(options: Mapping[str, Sequence[Option]], *, budget_bytes: float | None = None,
              max_mean_sq_error: float | None = None,
              weights: Mapping[str, float] | None = None) -> dict[str, Option]:
-    """Each tensor's option: the least total :func:`cost` within ``budget_bytes`` (summed over
-    the tensors), or the fewest bytes whose mean relative squared error is at most
-    ``max_mean_sq_error``. Exactly one target. When even the smallest options exceed the
-    budget, they are returned (the caller reports the ratio it got).
+    """Each tensor's option for one target (exactly one): ``budget_bytes`` (summed over the
+    tensors) or ``max_mean_sq_error`` (the mean relative squared error). The climb takes
+    hull steps in order of cost removed per byte while they fit, so its total :func:`cost`
+    is the least for the bytes it spends whenever it stops at the end of a step the order
+    reached (a Lagrangian breakpoint); between breakpoints a step that does not fit is
+    skipped with its tensor's later ones, and a different pair of steps could fit the
+    remainder better (the loss is below one step's worth). When even the smallest options
+    exceed the budget, they are returned (the caller reports the ratio it got).
 
     ``weights`` (path -> a number > 0, 1 for a path it leaves out): how much a unit of one
     tensor's cost matters to the model's output (:mod:`inshrink_store.policy.sensitivity`);
