@@ -13,8 +13,10 @@ only which centre each weight takes changes. Measured on all-MiniLM-L6-v2 at 10x
 Determinism: the rounding is float64 numpy in a fixed order, with ``H``'s inverse and that
 inverse's Cholesky factor from LAPACK; ``H`` comes from a forward pass
 (:mod:`inshrink_store.torch.calibration`). The same model and calibration data on the same
-machine and thread count give the same bytes; across machines the last bits of ``H`` may
-differ, and with them, rarely, a weight's centre. An uncalibrated save never comes here.
+machine give the same bytes whatever the thread counts (torch's, BLAS's and the writer's: a
+test saves with 1 and with 2 of each in fresh processes and gets the same root tree); across
+machines whose CPUs take other kernels the last bits of ``H`` may differ, and with them,
+rarely, a weight's centre. An uncalibrated save never comes here.
 """
 
 from __future__ import annotations

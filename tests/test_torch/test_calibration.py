@@ -269,3 +269,39 @@ def test_allocate_without_calibration_prices_tensors_by_their_role() -> None:
     assert seq.allocation.max_error == 0.05
     assert seq.weights_for({"0.weight": None, "1.weight": None}) == {"0.weight": ROLE_WEIGHTS["embedding"],
                                                                      "1.weight": 1.0}
+
+
+_CALIBRATED_SAVE = """
+import hashlib, sys
+import numpy as np, torch
+import inshrink_store as ins
+from inshrink_store.torch import allocate
+torch.set_num_threads(int(sys.argv[1]))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 512), torch.nn.GELU(),
+                            torch.nn.Linear(512, 64))
+planner = allocate(model, target_ratio=10, calibration=torch.randint(0, 1000, (32, 64)))
+repo = ins.init("memory://calibrated")
+info = repo.save({k: v.detach().numpy() for k, v in model.state_dict().items()}, quantize=planner)
+assert any(r.get("compensated") for r in planner.results.values())
+print(repo.snapshot(info.id).root)
+"""
+
+
+def test_a_calibrated_save_is_the_same_version_whatever_the_thread_counts() -> None:
+    """Same input, same bytes: the calibration's forward and backward passes (torch), the
+    Hessians' inverses (LAPACK) and the writer run on 1 or 2 threads each, in fresh processes,
+    and the version's root tree (its whole content) is the same."""
+    import os
+    import subprocess
+    import sys
+
+    ids = set()
+    for threads in ("1", "2"):
+        env = dict(os.environ, OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+                   INSHRINK_WRITE_THREADS=threads)
+        out = subprocess.run([sys.executable, "-c", _CALIBRATED_SAVE, threads], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        ids.add(out.stdout.strip().splitlines()[-1])
+    assert len(ids) == 1, ids
