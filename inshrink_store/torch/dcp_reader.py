@@ -77,6 +77,22 @@ def valid_checkpoint_id(checkpoint_id: Any) -> bool:
     return protocol in ("file", "local") or protocol in fsspec.available_protocols()
 
 
+class CheckpointIdIsTheUrl:
+    """What torch's StorageReader and StorageWriter protocols ask of both sides alike: a
+    checkpoint's id is the store URL (``self.url``), valid when :func:`valid_checkpoint_id`
+    says so."""
+
+    url: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return valid_checkpoint_id(checkpoint_id)
+
+
 def read_document(reader: SnapshotReader) -> DcpDocument:
     """The DCP document of a version, or NotFoundError if it was not saved through DCP."""
     found = reader.attributes.get(DOC_ATTR)
@@ -127,7 +143,7 @@ def _metadata(doc: DcpDocument, load_id: str) -> Metadata:
                     version=doc.version)
 
 
-class InshrinkStorageReader(StorageReader):
+class InshrinkStorageReader(CheckpointIdIsTheUrl, StorageReader):
     """DCP ``StorageReader`` of one version (``ref``: a branch, tag, snapshot id or ``main~1``).
 
     Every rank resolves ``ref`` itself; if a commit moved it between two ranks' reads, the load
@@ -146,14 +162,6 @@ class InshrinkStorageReader(StorageReader):
 
     def __repr__(self) -> str:
         return f"InshrinkStorageReader({self.url!r}, ref={self.ref!r})"
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return valid_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new load; ``checkpoint_id`` (given to ``dcp.load``) is the store URL to read from."""

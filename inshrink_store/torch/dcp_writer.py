@@ -37,7 +37,7 @@ from inshrink_store.refs import check_name
 from inshrink_store.repository import GC_WAIT, Repository, SnapshotInfo, WriteSession
 from inshrink_store.torch.dcp_format import DOC_ATTR, Chunk, DcpDocument, TensorEntry, ValueEntry
 from inshrink_store.torch.dcp_rank import RankSetup, RankWrite, quantize_targets
-from inshrink_store.torch.dcp_reader import checkpoint_url, previous_codebooks, valid_checkpoint_id
+from inshrink_store.torch.dcp_reader import CheckpointIdIsTheUrl, checkpoint_url, previous_codebooks
 from inshrink_store.torch.dcp_shards import ShardStore
 from inshrink_store.torch.tensors import TORCH_DTYPES, torch
 
@@ -63,7 +63,7 @@ class _Held:
             session.abort()
 
 
-class InshrinkStorageWriter(StorageWriter):
+class InshrinkStorageWriter(CheckpointIdIsTheUrl, StorageWriter):
     """DCP ``StorageWriter``: one ``dcp.save`` becomes one version of ``branch`` at ``url``.
 
     ``quantize``: a :class:`~inshrink_store.policy.QuantConfig` stores the ``model.*`` tensors
@@ -105,14 +105,6 @@ class InshrinkStorageWriter(StorageWriter):
                    metadata: Mapping[str, Any] | None = None) -> None:
         """What the next version records; checked now, so a bad field fails before any write."""
         self._commit = check_commit_fields(message, step, metrics, metadata)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return valid_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new save; ``checkpoint_id`` (given to ``dcp.save``) is the store URL to write to."""
