@@ -522,3 +522,19 @@ def test_saves_without_collectives_are_refused(tmp_path: Path) -> None:
     writer = InshrinkStorageWriter(str(tmp_path / "store"))
     with pytest.raises(InvalidInputError, match="use_collectives=True"):
         writer.set_up_storage_writer(True, rank=0, use_collectives=False)
+
+
+@pytest.mark.parametrize("cls", [InshrinkStorageReader, InshrinkStorageWriter])
+def test_reader_and_writer_take_the_same_checkpoint_ids(cls: Any, tmp_path: Path) -> None:
+    """torch asks both sides which ids they take and what their id is: a local path or a URL
+    of a protocol fsspec knows; the id is the store URL, and ``reset`` moves it."""
+    assert cls.validate_checkpoint_id(str(tmp_path / "store"))
+    assert cls.validate_checkpoint_id(tmp_path / "store")
+    assert cls.validate_checkpoint_id("memory://ids")
+    assert not cls.validate_checkpoint_id("no-such-protocol-x://bucket/store")
+    assert not cls.validate_checkpoint_id("")
+    assert not cls.validate_checkpoint_id(None)
+    side = cls(str(tmp_path / "a"))
+    assert side.checkpoint_id == str(tmp_path / "a")
+    side.reset(tmp_path / "b")
+    assert side.checkpoint_id == str(tmp_path / "b")
