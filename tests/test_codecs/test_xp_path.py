@@ -39,7 +39,7 @@ from inshrink_store import dtypes
 from inshrink_store.codecs import _gpu, _payload, vdelta
 from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.codecs.nuq import NUQZarrCodec, _nearest_into, midpoints, quantizer
-from inshrink_store.errors import InvalidInputError, MissingDependencyError
+from inshrink_store.errors import FormatError, InvalidInputError, MissingDependencyError
 from inshrink_store.policy import sketch as sketch_mod
 from inshrink_store.policy.sketch import ALPHA, LogSketch
 from inshrink_store.testing.strategies import codebooks, float_arrays, nuq_configs
@@ -153,32 +153,140 @@ def test_the_compare_loop_counts_the_midpoints_below_each_value(centres, x):
     assert np.array_equal(out.astype(np.int64), expected)
 
 
+def _widen_f32_bits(b: np.ndarray) -> np.ndarray:
+    """``inshrink_f32_bits_to_f64`` in numpy, step for step: integer fields moved into
+    float64's, a denormal's mantissa times 2^-149, never a float32 operation."""
+    b = b.astype(np.uint64)
+    e, m = (b >> np.uint64(23)) & np.uint64(0xFF), b & np.uint64(0x7FFFFF)
+    normal = ((e + np.uint64(896)) << np.uint64(52)) | (m << np.uint64(29))
+    special = np.where(m != 0, np.uint64(0x7FF8000000000000), np.uint64(0x7FF0000000000000))
+    mag = np.where(e == 0xFF, special, normal).view(np.float64)
+    mag = np.where(e == 0, m.astype(np.float64) * np.uint64(0x36A0000000000000).view(np.float64), mag)
+    return np.where(b >> np.uint64(31) != 0, -mag, mag)
+
+
+def _widen_f16_bits(h: np.ndarray) -> np.ndarray:
+    """``inshrink_f16_bits_to_f64`` in numpy (a denormal's mantissa times 2^-24)."""
+    h = h.astype(np.uint64)
+    e, m = (h >> np.uint64(10)) & np.uint64(0x1F), h & np.uint64(0x3FF)
+    normal = ((e + np.uint64(1008)) << np.uint64(52)) | (m << np.uint64(42))
+    special = np.where(m != 0, np.uint64(0x7FF8000000000000), np.uint64(0x7FF0000000000000))
+    mag = np.where(e == 0x1F, special, normal).view(np.float64)
+    mag = np.where(e == 0, m.astype(np.float64) * np.uint64(0x3E70000000000000).view(np.float64), mag)
+    return np.where(h >> np.uint64(15) != 0, -mag, mag)
+
+
+def _f64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):  # signalling NaNs quieten
+        return x.astype(np.float64)
+
+
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal bits, NaN payloads aside (the kernels only ask whether a value is NaN)."""
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan].view(np.uint64), b[~nan].view(np.uint64)))
+
+
 def test_the_kernels_widening_is_exact_for_every_16_bit_pattern():
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     shifted = (bits.astype(np.uint32) << 16).view(np.float32)  # the bfloat16 kernel expression
     registry = dtypes.by_codec_name("bfloat16").to_float32(bits)
     assert np.array_equal(shifted.view(np.uint32), registry.view(np.uint32))
+    assert _same_values(_widen_f32_bits(shifted.view(np.uint32)), _f64(registry))
     halves = bits.view(np.float16)
-    widened = halves.astype(np.float32)  # what (float)x does on the device
-    assert np.array_equal(widened.view(np.uint32),
-                          dtypes.by_codec_name("float16").to_float32(halves).view(np.uint32))
+    assert _same_values(_widen_f16_bits(bits), _f64(halves))
     finite = np.isfinite(halves)
+    with np.errstate(invalid="ignore"):
+        widened = halves.astype(np.float32)
     assert np.array_equal(widened[finite].astype(np.float16).view(np.uint16), bits[finite])
+
+
+def test_the_kernels_widening_is_exact_for_float32_denormals_and_specials():
+    """Every float32 denormal and power of two, both signs, and a random sample of patterns:
+    the integer widening equals numpy's exact float32 -> float64 conversion (which the
+    device's flush-to-zero conversion does not: it turns every denormal into 0)."""
+    denormals = np.arange(0, 1 << 23, 97, dtype=np.uint32)
+    powers = (np.arange(256, dtype=np.uint32) << 23)
+    sample = np.random.default_rng(3).integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    for bits in (denormals, powers, sample, np.uint32([0x7F7FFFFF, 0x00800000, 0x007FFFFF, 1])):
+        both = np.concatenate([bits, bits | np.uint32(0x80000000)])
+        assert _same_values(_widen_f32_bits(both), _f64(both.view(np.float32)))
+
+
+def _accepts_within(v: np.ndarray, c: np.ndarray, tol32: np.float32) -> np.ndarray:
+    """The kernel's finite-tolerance acceptance: float64 difference against within_bound."""
+    bound, tie_ok = _gpu.within_bound(tol32)
+    d = np.abs(v.astype(np.float64) - c.astype(np.float64))
+    return (d < bound) | (tie_ok & (d == bound))
+
+
+def _float32_accepts(v: np.ndarray, c: np.ndarray, tol32: np.float32) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.abs(v - c) <= tol32  # numpy's float32 arithmetic, denormals kept
+
+
+tolerances32 = st.floats(0, 1e3, width=32, allow_subnormal=True, exclude_min=True) | st.sampled_from(
+    [np.finfo(np.float32).max, np.finfo(np.float32).smallest_subnormal, np.float32(1e-3), np.float32(0.5)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(tol=tolerances32, c=st.floats(width=32, allow_nan=False, allow_infinity=False),
+       offsets=st.lists(st.integers(-4, 4), min_size=1, max_size=9))
+def test_the_float64_bound_accepts_exactly_what_float32_arithmetic_accepts(tol, c, offsets):
+    """At the edge: values whose float32 difference from the centre lands on the tolerance
+    and a few float32 steps either side, where rounding to nearest (ties to even) decides."""
+    t, c32 = np.float32(tol), np.float32(c)
+    with np.errstate(over="ignore", invalid="ignore"):
+        edges = np.array([c32 + t, c32 - t], np.float32)
+    edges = edges[np.isfinite(edges)]
+    v = [edges]
+    for k in offsets:
+        step = np.float32(np.inf) if k > 0 else np.float32(-np.inf)
+        moved = edges
+        with np.errstate(over="ignore"):
+            for _ in range(abs(k)):
+                moved = np.nextafter(moved, step)
+        v.append(moved)
+    values = np.concatenate(v + [np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-45])]).astype(np.float32)
+    centre = np.full(values.size, c32, np.float32)
+    assert np.array_equal(_accepts_within(values, centre, t), _float32_accepts(values, centre, t))
+
+
+@settings(max_examples=200, deadline=None)
+@given(v=hnp.arrays(np.float32, 64, elements=st.floats(width=32, allow_subnormal=True) | st.floats(-2.0**-120, 2.0**-120, width=32)),
+       c=hnp.arrays(np.float32, 64, elements=st.floats(-2.0**-120, 2.0**-120, width=32, allow_subnormal=True)),
+       tol=tolerances32)
+def test_the_float64_bound_agrees_on_denormal_neighbourhoods(v, c, tol):
+    t = np.float32(tol)
+    assert np.array_equal(_accepts_within(v, c, t), _float32_accepts(v, c, t))
+
+
+def test_within_bound_rejects_what_is_not_a_finite_tolerance():
+    for bad in (np.float32(np.inf), np.float32(np.nan), np.float32(-1.0)):
+        with pytest.raises(FormatError, match="tolerance"):
+            _gpu.within_bound(bad)
 
 
 def _kernel_emulation(q, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``_gpu.assign_levels`` in numpy, one pass over the whole array as on the device:
-    the lower bound of each value among the midpoints, then the kernel's accept expression."""
-    v = dtypes.by_codec_name(q.dtype).to_float32(flat)
-    level = np.searchsorted(q.mids, v, side="left").astype(q.id_dtype)
-    centre = q.centres[level]
+    elements widened from their bits to float64, the lower bound of each among the
+    widened midpoints, then the kernel's float64 accept expression."""
+    if q.dtype == "float16":
+        v = _widen_f16_bits(flat.view(np.uint16))
+    else:
+        bits = flat.view(np.uint32) if q.dtype == "float32" else flat.astype(np.uint32) << np.uint32(16)
+        v = _widen_f32_bits(bits)
+    level = np.searchsorted(q.mids.astype(np.float64), v, side="left").astype(q.id_dtype)
+    centre = q.centres.astype(np.float64)[np.minimum(level, q.centres.size - 1)]
     with np.errstate(invalid="ignore", over="ignore"):
         if q.tol32 is None:
             ok = np.isfinite(v)
         elif q.tol32 == 0:
             ok = v == centre
         else:
-            ok = np.abs(v - centre) <= q.tol32
+            bound, tie_ok = _gpu.within_bound(q.tol32)
+            d = np.abs(v - centre)
+            ok = (d < bound) | (tie_ok & (d == bound))
     return level, ok
 
 
@@ -301,7 +409,13 @@ def test_the_delta_stream_is_the_modular_difference_grouped_stably_by_the_previo
 
 def _histogram_emulation(x: np.ndarray, scale: float) -> tuple[np.ndarray, int, int, int]:
     """``_gpu.sketch_histogram`` in numpy: class and key per element, bins, bincount."""
-    a = np.asarray(x).astype(np.float64).reshape(-1)
+    x = np.asarray(x).reshape(-1)
+    if x.dtype == np.float32:  # read as bits and widened as the kernel does
+        a = _widen_f32_bits(x.view(np.uint32))
+    elif x.dtype == np.float16:
+        a = _widen_f16_bits(x.view(np.uint16))
+    else:
+        a = x.astype(np.float64)
     finite = np.isfinite(a)
     cls = np.where(~finite, 3, np.where(a == 0, 0, np.where(a < 0, 2, 1)))
     with np.errstate(divide="ignore", invalid="ignore"):
