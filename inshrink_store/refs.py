@@ -73,6 +73,13 @@ def parse_expression(expr: str) -> tuple[str, int]:
     return match.group("base"), back
 
 
+def replaced_branch_name(branch: str, head_id: str, short: bool = True) -> str:
+    """``<branch>.replaced-<id12>``: the branch that keeps ``head_id`` when a commit on an
+    older version replaces it as ``branch``'s head (``short=False``: the whole id)."""
+    suffix = f".replaced-{head_id[:12] if short else head_id}"
+    return branch[: 128 - len(suffix)].rstrip(".") + suffix  # never '..' in a name
+
+
 def maybe_name(text: str) -> bool:
     """Could ``text`` be a branch or tag name (as opposed to only a snapshot id)?"""
     try:
@@ -134,13 +141,18 @@ class Refs:
         return out
 
     # -- writing ---------------------------------------------------------------------------
-    def advance(self, branch: str, seq: int, snapshot_id: str) -> None:
-        """Create ``branch``'s ref file ``seq`` exclusively: the commit point."""
+    def advance(self, branch: str, seq: int, snapshot_id: str, replaces: str | None = None) -> None:
+        """Create ``branch``'s ref file ``seq`` exclusively: the commit point, a compare-and-swap
+        on the head ``replaces`` (ref file ``seq - 1``, read by the caller)."""
         try:
             self._storage.create_exclusive(branch_ref_path(branch, seq), snapshot_id.encode())
         except FileExistsError:
+            winner = ""
+            with contextlib.suppress(FileNotFoundError, IntegrityError):
+                winner = f" ({self.read(branch_ref_path(branch, seq))})"
+            was = f" on head {replaces}" if replaces else ""
             raise ConflictError(
-                f"Expected to advance branch {branch!r} to version #{seq}. Got a version #{seq} "
+                f"Expected to advance branch {branch!r} to version #{seq}{was}. Got a version #{seq}{winner} "
                 "committed by another writer first instead; nothing was lost: open the new head "
                 "and retry (or commit with rebase=True)."
             ) from None

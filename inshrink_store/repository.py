@@ -36,7 +36,7 @@ from inshrink_store.plans import Planner, Quantize, check_quantize
 from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name
 from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
-from inshrink_store.session import WriteSession, open_session
+from inshrink_store.session import ANY_HEAD, AnyHead, WriteSession, open_session
 from inshrink_store.storage import Storage, open_storage
 from inshrink_store.zarr_store import InshrinkStore
 
@@ -63,6 +63,7 @@ class SaveOptions(TypedDict, total=False):
     gc_wait: float
     on_wait: Callable[[str], None] | None
     exact_resume: int
+    expect_head: str | None | AnyHead
 
 
 def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
@@ -246,14 +247,21 @@ class Repository:
     def transaction(
         self, branch: str = DEFAULT_BRANCH, *, parent: str | None = None, inherit: bool = True,
         gc_wait: float = GC_WAIT, on_wait: Callable[[str], None] | None = None,
+        expect_head: str | None | AnyHead = ANY_HEAD,
     ) -> WriteSession:
         """One write session (a context manager that aborts on error). ``parent`` (a ref)
         defaults to the branch head; ``inherit=False`` starts empty (a full new state) while
         still delta-coding against the parent. A running gc is waited for up to ``gc_wait``
-        seconds (``on_wait`` hears about it)."""
+        seconds (``on_wait`` hears about it).
+
+        The commit is a compare-and-swap on the branch head: it replaces the head read now, or
+        raises ConflictError naming both heads. ``expect_head`` (a snapshot id; None: the branch
+        must not exist yet) refuses at once, writing nothing, when the head is another version.
+        A commit whose parent is not the head keeps the head it replaces as branch
+        ``<branch>.replaced-<id12>``, unless ``rebase=True`` commits on top of the head."""
         check_name(branch, "branch")
         return open_session(self._parts, branch, parent=parent, inherit=inherit,
-                            gc_wait=gc_wait, on_wait=on_wait)
+                            gc_wait=gc_wait, on_wait=on_wait, expect_head=expect_head)
 
     def save(
         self,
@@ -273,6 +281,7 @@ class Repository:
         gc_wait: float = GC_WAIT,
         on_wait: Callable[[str], None] | None = None,
         exact_resume: int = 0,
+        expect_head: str | None | AnyHead = ANY_HEAD,
     ) -> SnapshotInfo:
         """Commit ``tensors`` (array path -> array) as the next version of ``branch``.
 
@@ -285,6 +294,11 @@ class Repository:
         ``load_state(..., exact=True)`` and ``Checkpointer.restore`` return the exact bits.
         Message, step, metrics and metadata are checked before anything is written; a running
         gc is waited for up to ``gc_wait`` seconds.
+
+        The commit is a compare-and-swap on the branch head (see :meth:`transaction`):
+        ``expect_head`` names the head it may replace (None: a new branch), ``parent`` (default:
+        the head) an older version to continue from, whose commit keeps the replaced head as
+        branch ``<branch>.replaced-<id12>``; ``rebase=True`` commits on the head instead.
         """
         message, step, metrics, metadata = check_commit_fields(message, step, metrics, metadata)
         check_quantize(quantize)
@@ -297,7 +311,8 @@ class Repository:
                 f"Expected exact_resume to be an int in 0..{MAX_KEEP_NEWEST} (newest versions kept bit-exact; 0: "
                 f"none). Got "
                 f"{exact_resume!r} instead.")
-        with self.transaction(branch, parent=parent, inherit=False, gc_wait=gc_wait, on_wait=on_wait) as tx:
+        with self.transaction(branch, parent=parent, inherit=False, gc_wait=gc_wait, on_wait=on_wait,
+                              expect_head=expect_head) as tx:
             tx.write(tensors, attributes=attributes, dtypes=dtypes, quantize=quantize, progress=progress,
                      residual=exact_resume > 0)
             return tx.commit(message=message, step=step, metrics=metrics, metadata=metadata, rebase=rebase,
@@ -380,4 +395,4 @@ def _read_settings(storage: Storage) -> dict[str, Any]:
     return settings
 
 
-__all__ = ["GC_WAIT", "Planner", "Repository", "SaveOptions", "SnapshotInfo", "Transaction", "WriteSession", "init", "open"]
+__all__ = ["ANY_HEAD", "GC_WAIT", "Planner", "Repository", "SaveOptions", "SnapshotInfo", "Transaction", "WriteSession", "init", "open"]

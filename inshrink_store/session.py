@@ -10,10 +10,17 @@ on an error, and refuses a second commit::
 
 Commit order (docs/reference/format.md, "Commit protocol"): objects (during ``write``),
 trees, snapshot, the fence, then the ref; a crash anywhere leaves only garbage.
+
+Every commit is a compare-and-swap on the branch head (format.md, "Commits are
+compare-and-swap"): it replaces the head the session read when it opened (``expect_head``
+names the one the caller believes in), or fails with ConflictError; a commit whose parent is
+not that head keeps the head it replaces reachable as branch ``<branch>.replaced-<id12>``,
+unless ``rebase=True`` puts it on top of the head instead.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import re
@@ -36,6 +43,7 @@ from inshrink_store.manifest import NodeTree, RootTree, Snapshot, check_commit_f
 from inshrink_store.parallel import map_in_order
 from inshrink_store.parts import StoreParts
 from inshrink_store.plans import ArrayPlan, Planner, Quantize, check_quantize
+from inshrink_store.refs import replaced_branch_name
 from inshrink_store.residual import META_KEY, ResidualArray, ResidualRef, ResidualWriter
 from inshrink_store.writer import check_path, prepare_arrays, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
@@ -47,6 +55,17 @@ _PLAIN_CHUNK_KEY = re.compile(r"c(?:/[0-9]+)*|[0-9]+(?:\.[0-9]+)*")
 MAX_REBASES = 8
 #: node trees a commit writes at once (small documents: the requests wait, not the cores)
 TREE_WRITE_THREADS = 8
+
+
+class AnyHead(enum.Enum):
+    """The type of :data:`ANY_HEAD`."""
+
+    ANY = "any"
+
+
+#: ``expect_head`` of a session that replaces whatever head it finds when it opens (the commit
+#: is still a compare-and-swap on that head)
+ANY_HEAD = AnyHead.ANY
 
 
 class _Recording(Mapping[str, ArrayPlan]):
@@ -90,9 +109,14 @@ class WriteSession:
     """One write session: a writable zarr store (``.store``) over the parent's chunks."""
 
     def __init__(self, parts: StoreParts, branch: str, head_seq: int, parent: str | None,
-                 parent_view: SnapshotChunks | None, inherit: bool, lease: leases.HeldLease) -> None:
+                 parent_view: SnapshotChunks | None, inherit: bool, lease: leases.HeldLease,
+                 head_id: str | None = None) -> None:
         self._parts = parts
         self.branch, self.head_seq, self.parent, self.inherit = branch, head_seq, parent, inherit
+        #: the head this session's commit replaces (read under the lease when it opened)
+        self.head_id = head_id
+        #: the branch a commit on an older parent created to keep the head it replaced
+        self.replaced_branch: str | None = None
         self.parent_view = parent_view
         self.residual: ResidualWriter | None = None
         #: this writer's lease: held from before the head was read until commit or abort
@@ -258,8 +282,12 @@ class WriteSession:
         rebase: bool = False,
         keep_residual: int = 1,
     ) -> SnapshotInfo:
-        """Publish this version as the next of its branch; ``rebase`` retries on top of a
-        head another writer moved (a partial update is replayed per zarr node).
+        """Publish this version as the next of its branch: a compare-and-swap on the head this
+        session opened on (another writer's commit since is a ConflictError). ``rebase`` puts it
+        on top of the head instead, whether another writer moved it or this session's parent is
+        an older version (a partial update is replayed per zarr node). Without ``rebase``, a
+        commit whose parent is not the head keeps that head as branch ``<branch>.replaced-<id12>``
+        (created before the branch moves), so no committed version leaves every ref.
 
         A residual written with ``write(residual=True)`` is stored now, before the snapshot
         that names it, and kept while this version is among the ``keep_residual`` newest of
@@ -275,33 +303,66 @@ class WriteSession:
         storage = self._parts.storage
         root = self._write_trees(self.view)
         mine = _node_ids(self._parts.objects, root) if self.inherit and self.residual is not None else {}
-        metadata = self._with_residual(metadata, root, mine, self.parent, keep_residual)
+        meta = self._with_residual(metadata, root, mine, self.parent, keep_residual)
         snap = Snapshot(root=root.id, parent=self.parent, time=utc_now(), message=message,
-                        step=step, metrics=metrics, metadata=metadata)
+                        step=step, metrics=metrics, metadata=meta)
         seq = self.head_seq + 1
         leases.fence_for_commit(storage, lease)  # a gc that judged us dead wins: publish nothing
+        replaced = self.head_id if self.head_id is not None and self.parent != self.head_id else None
+
+        def onto(head: tuple[int, str]) -> Snapshot:
+            nonlocal root, meta
+            if self.inherit:  # new root: its residual follows each node to where it came from
+                root = self._rebased_root(head[1])
+                meta = self._with_residual(meta, root, mine, head[1], keep_residual)
+            return Snapshot(**{**snap.__dict__, "root": root.id, "parent": head[1], "time": utc_now(),
+                               "metadata": meta})
+
+        if replaced is not None and rebase:  # an older parent, rebased: on top of the head
+            snap, replaced = onto((self.head_seq, replaced)), None
+        if replaced is not None:  # kept before the branch moves: never a moment unreachable
+            leases.check_publishable(storage, lease)
+            self.replaced_branch = self._keep_replaced(replaced)
+        expected = self.head_id
         for _ in range(MAX_REBASES):
             storage.write(snapshot_path(snap.id), snap.to_bytes())
             leases.check_publishable(storage, lease)
             try:
-                self._parts.refs.advance(self.branch, seq, snap.id)
+                self._parts.refs.advance(self.branch, seq, snap.id, replaces=expected)
                 break
             except ConflictError:
                 if not rebase:
                     raise
                 head = self._parts.refs.head(self.branch)
                 assert head is not None
-                seq = head[0] + 1
-                if self.inherit:  # new root: its residual follows each node to where it came from
-                    root = self._rebased_root(head[1])
-                    metadata = self._with_residual(metadata, root, mine, head[1], keep_residual)
-                snap = Snapshot(**{**snap.__dict__, "root": root.id, "parent": head[1], "time": utc_now(),
-                                   "metadata": metadata})
+                seq, expected = head[0] + 1, head[1]
+                snap = onto(head)
         else:
             raise ConflictError(f"Expected to commit to {self.branch!r}. Got {MAX_REBASES} lost races instead.")
         self.committed = self._parts.history.get(snap.id)
         self.abort()  # committed: the lease is no longer needed
         return self.committed
+
+    def _keep_replaced(self, head_id: str) -> str:
+        """Branch ``<branch>.replaced-<id12>`` at ``head_id``, the head a commit on an older
+        parent replaces (an existing one at that version is kept as it is); its name."""
+        refs = self._parts.refs
+        for name in (replaced_branch_name(self.branch, head_id, short=True),
+                     replaced_branch_name(self.branch, head_id, short=False)):
+            found = refs.head(name)
+            if found is not None and found[1] == head_id:
+                return name
+            if found is None:
+                try:
+                    refs.advance(name, 0, head_id)
+                    return name
+                except ConflictError:
+                    if refs.head(name) == (0, head_id):  # another writer kept the same head
+                        return name
+        raise ConflictError(
+            f"Expected to keep the head {head_id} of branch {self.branch!r} that this commit replaces under "
+            f"branch {replaced_branch_name(self.branch, head_id, short=False)!r}. Got that name taken by another "
+            "version instead; nothing was committed: delete that branch or commit on the head (rebase=True).")
 
     def _with_residual(self, metadata: Mapping[str, Any], root: RootTree, mine: Mapping[str, str],
                        source: str | None, keep: int) -> dict[str, Any]:
@@ -509,20 +570,41 @@ def _by_node(entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def check_head(url: str, branch: str, found: str | None, expected: str | None | AnyHead) -> None:
+    """ConflictError naming both heads unless ``found`` (the head of ``branch``, None: no such
+    branch) is the head the caller ``expected`` (None: a new branch; :data:`ANY_HEAD`: any)."""
+    if expected is ANY_HEAD or found == expected:
+        return
+    if expected is None:
+        raise ConflictError(
+            f"Expected branch {branch!r} of {url!r} not to exist (this commit starts it). Got head {found} "
+            "instead: another writer created it first. Nothing was written; commit on that head "
+            "(expect_head=its id, or rebase=True) or pick another branch.")
+    got = "no such branch (deleted)" if found is None else f"head {found}, committed by another writer since"
+    raise ConflictError(
+        f"Expected the head of branch {branch!r} of {url!r} to be {expected}. Got {got} instead; both "
+        "versions are kept and nothing was written. Read the new head and commit on it (or rebase=True), "
+        "or give each writer its own branch.")
+
+
 def open_session(parts: StoreParts, branch: str, *, parent: str | None, inherit: bool,
-                 gc_wait: float, on_wait: Callable[[str], None] | None = None) -> WriteSession:
+                 gc_wait: float, on_wait: Callable[[str], None] | None = None,
+                 expect_head: str | None | AnyHead = ANY_HEAD) -> WriteSession:
     """Take the writer lease *first*, then read the head and parent under it, so nothing
     read here (head, parent, the objects to dedup against) can be collected before the
-    commit; a running gc is waited for up to ``gc_wait`` seconds."""
+    commit; a running gc is waited for up to ``gc_wait`` seconds. A head other than
+    ``expect_head`` is a ConflictError (nothing written)."""
     lease = leases.acquire_writer(parts.storage, wait=gc_wait, on_wait=on_wait)
     lease.keep_alive()  # at once: reading a big parent's trees must not let the lease lapse
     try:
         head = parts.refs.head(branch)
+        check_head(parts.url, branch, head[1] if head else None, expect_head)
         parent_id = parts.resolve(parent) if parent is not None else (head[1] if head else None)
         view = None
         if parent_id is not None:
             view = SnapshotChunks(parts.objects, parts.history.get(parent_id).root, parent_id)
-        session = WriteSession(parts, branch, head[0] if head else -1, parent_id, view, inherit, lease)
+        session = WriteSession(parts, branch, head[0] if head else -1, parent_id, view, inherit, lease,
+                               head[1] if head else None)
     except BaseException:
         lease.release()
         raise

@@ -102,7 +102,7 @@ def du_summary(parts: StoreParts, ref: str) -> DuSummary:
     """:func:`du`'s rows for ``ref`` and where every other byte under the store is."""
     sizes = parts.storage.list("")
     walked = _walk(parts, ref, "", sizes)
-    bases = {object_path(oid) for oid in with_bases(parts, walked.deltas)} - walked.paths
+    bases = {object_path(oid) for oid in with_bases(parts, walked.deltas, strict=False)} - walked.paths
     live = _live_paths(parts)
     totals = dict.fromkeys(("versions", "delta_bases", "other_refs", "metadata", "unreferenced"), 0)
     for path, size in sizes.items():
@@ -127,10 +127,10 @@ def _category(path: str, counted: set[str], bases: set[str], live: set[str]) -> 
 
 def _live_paths(parts: StoreParts) -> set[str]:
     """The paths a plain gc keeps: what any ref reaches, delta bases and kept residuals included."""
-    live = reachable(parts, None)
+    live = reachable(parts, None, strict=False)  # du reports: it goes on where gc would stop
     return ({snapshot_path(sid) for sid in live.snapshots} | {tree_path(tid) for tid in live.trees}
             | {residual_path(rid) for rid in live.residuals}
-            | {object_path(oid) for oid in with_bases(parts, live.objects)})
+            | {object_path(oid) for oid in with_bases(parts, live.objects, strict=False)})
 
 
 @dataclass

@@ -6,16 +6,27 @@ The protocol and why it never loses a version: docs/reference/format.md ("gc pro
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from inshrink_store import leases, residual
-from inshrink_store.admin.reachability import reachable, with_bases
+from inshrink_store.admin.reachability import (
+    load_kept_residual,
+    reachable,
+    reading,
+    residuals_near_heads,
+    with_bases,
+)
 from inshrink_store.cas import HEADER_SIZE
-from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError
+from inshrink_store.errors import (
+    ConflictError,
+    FormatError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+)
 from inshrink_store.layout import (
     BRANCHES,
     OBJECTS,
@@ -154,7 +165,9 @@ def gc(parts: StoreParts, keep_last: int | None = None, *, dry_run: bool = False
        wait: float = 0.0, on_wait: Callable[[str], None] | None = None) -> GcReport:
     """Delete unreachable snapshots, trees, objects, stale ref files and dead leases.
 
-    Safe beside any number of writers, tag/branch creations and other gc runs (see
+    Fails closed: any error reading what decides what to keep stops it before it deletes
+    anything, with an error naming what could not be read (see
+    :mod:`~inshrink_store.admin.reachability`). Safe beside any number of writers, tag/branch creations and other gc runs (see
     :class:`GarbageCollector`). Refuses with ``ConflictError`` (nothing deleted) while a
     commit is in progress or another gc runs, after waiting up to ``wait`` seconds. A
     writer lease unrenewed for ``stale_after`` seconds (or whose process is gone) is
@@ -190,9 +203,10 @@ def _plan(parts: StoreParts, keep_last: int | None, dead: list[leases.Lease], *,
         for seq in seqs[:-1]:  # the highest seq stays: it is the branch head and the commit counter
             path = branch_ref_path(branch, seq)
             try:
-                target = parts.refs.read(path)
-            except (FileNotFoundError, InshrinkError):
-                continue  # a malformed old ref file is verify's to report, not gc's to guess
+                with reading(f"ref file {path}"):
+                    target = parts.refs.read(path)
+            except (NotFoundError, IntegrityError):
+                continue  # gone, or malformed (verify's to report, not gc's to guess): kept
             if target not in live.snapshots:
                 deleted["refs"].append(path)
     temp = _temp_leftovers(storage, stale_after)
@@ -218,12 +232,11 @@ def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
     what every ref reaches, as gc does, and keeps it. Run under the gc lease like any gc, so
     the commit protocol's argument covers it (a residual becomes needed only by a commit)."""
     storage = parts.storage
-    kept = residual.near_heads(parts.history, parts.refs.branches().values())
+    kept = residuals_near_heads(parts)
     keep_pieces: set[str] = set()
-    for rid in kept:
-        with contextlib.suppress(InshrinkError):
-            for array in residual.load(storage, rid).values():
-                keep_pieces.update(array.pieces)
+    for rid, sids in kept.items():  # an error here stops the sweep: a shared piece would go
+        for array in (load_kept_residual(parts, rid, sids) or {}).values():
+            keep_pieces.update(array.pieces)
     listing = storage.list(RESIDUALS)
     deleted: dict[str, list[str]] = {"refs": [], "snapshots": [], "trees": [], "residuals": [], "objects": [],
                                      "temp": [], "leases": []}
@@ -234,16 +247,21 @@ def _plan_residuals(parts: StoreParts, dry_run: bool) -> GcReport:
         if found is None or found[0] != RESIDUALS or found[1] in kept:
             continue
         deleted["residuals"].append(path)
-        with contextlib.suppress(InshrinkError):
-            for array in residual.load(storage, found[1]).values():
-                pieces.extend(oid for oid in array.pieces if oid not in keep_pieces and oid not in pieces)
+        try:  # a dropped document's pieces; one that cannot be read stops the sweep (retried)
+            with reading(f"dropped restore residual {found[1]}"):
+                arrays = residual.load(storage, found[1])
+        except (NotFoundError, IntegrityError, FormatError):
+            continue  # gone or damaged: its pieces stay until a full gc finds them unreached
+        for array in arrays.values():
+            pieces.extend(oid for oid in array.pieces if oid not in keep_pieces and oid not in pieces)
     for oid in pieces:
         path = object_path(oid)
         try:
-            head = bytes(storage.read_range(path, HEADER_SIZE, HEADER_SIZE + len(residual.PIECE_MAGIC)))
-            size = storage.size(path)
-        except (FileNotFoundError, OSError):
-            continue
+            with reading(f"the head of residual piece {oid}"):
+                head = bytes(storage.read_range(path, HEADER_SIZE, HEADER_SIZE + len(residual.PIECE_MAGIC)))
+                size = storage.size(path)
+        except NotFoundError:
+            continue  # already gone
         if head == residual.PIECE_MAGIC:
             deleted["objects"].append(path)
             sizes[path] = size
@@ -267,9 +285,12 @@ def _deltas_first(parts: StoreParts, oids: list[str]) -> list[str]:
     its base (a writer that dedups against an existing object must be able to read it)."""
     def depth(oid: str) -> int:
         try:
-            return int(parts.objects.header(oid).depth)
-        except InshrinkError:
-            return 1 << 30  # unreadable: delete it first, nothing can use it
+            with reading(f"the header of garbage object {oid} (to delete deltas first)"):
+                return int(parts.objects.header(oid).depth)
+        except NotFoundError:
+            return 0  # gone already
+        except (IntegrityError, FormatError):
+            return 1 << 30  # damaged: delete it first, nothing can use it
     return sorted(oids, key=lambda oid: (-depth(oid), oid))
 
 

@@ -40,6 +40,7 @@ from typing_extensions import Unpack
 
 from inshrink_store.errors import (
     BackgroundSaveError,
+    ConflictError,
     FormatError,
     InvalidInputError,
     LeaseBrokenError,
@@ -55,6 +56,8 @@ from inshrink_store.policy import (
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
+from inshrink_store.refs import replaced_branch_name
+from inshrink_store.session import ANY_HEAD, AnyHead
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions
 from inshrink_store.torch.extra_state import RNGState, _load_into, _state_of
@@ -67,6 +70,7 @@ from inshrink_store.torch.retention import GcWorker, Retention, RetentionKeeper
 from inshrink_store.torch.retention import (
     _OtherBranchesKept as _OtherBranchesKept,  # lightning's gc view
 )
+from inshrink_store.torch.staging import HostStaging, Staged
 from inshrink_store.torch.tensors import (
     is_state_leaf,
     load_state_report,
@@ -84,16 +88,6 @@ if TYPE_CHECKING:  # annotations only; at run time torch comes from require() (t
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CONFIG", "BackgroundSaveError", "Checkpointer", "RNGState", "Retention"]
-
-
-def _cpu_copy(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def _attributes(skeleton: Any, params: Mapping[str, str]) -> dict[str, Any]:
@@ -117,6 +111,8 @@ class _Job:
     metrics: dict[str, float] | None
     message: str | None
     copy_s: float
+    staged: Staged  # the state's CUDA copies in flight: wait before reading them
+    ema: dict[str, Any]  # model name -> gradient EMA (host), for sensitivity once staged lands
 
 
 #: where a closed-loop version's residuals are searched: a checkpoint interval's change is
@@ -155,6 +151,12 @@ class Checkpointer:
     that a gc fenced off (it judged this process dead) is retried at once, state in hand.
 
     ``retention`` (or ``max_to_keep`` / ``keep_every_n_steps``): see :class:`Retention`.
+
+    Each save is a compare-and-swap on the branch head (docs/reference/format.md, "Commits
+    are compare-and-swap"): it replaces the head this Checkpointer last saw (its last save, or
+    the head when it restored), else it raises ConflictError naming both heads: one branch,
+    one trainer (another writer's version is never dropped). A save after restoring an older
+    version keeps the head it replaces as branch ``<branch>.replaced-<id12>``.
     ``extra_state``: name -> object with ``state_dict``/``load_state_dict`` (a scheduler,
     :class:`RNGState`) or ``get_state``/``set_state`` (a ``torch.Generator``), saved with
     every version and put back by :meth:`restore`.
@@ -208,8 +210,12 @@ class Checkpointer:
         self._ema: dict[str, Any] = {}
         self._batches = 0
         self._parent: str | None = None
+        #: the branch head the next commit replaces (a compare-and-swap): this Checkpointer's
+        #: last save, or the head when it restored; ANY_HEAD before either
+        self._expect_head: str | None | AnyHead = ANY_HEAD
         self._previous: QuantConfig | None = None
         self._previous_space: SearchSpace | None = None  # the search space _previous was found in
+        self._staging = HostStaging()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
         self._pending: Future[SnapshotInfo] | None = None
         self._closed = False
@@ -288,23 +294,22 @@ class Checkpointer:
         self.wait()
         start = time.perf_counter()
         extras = self._extra_now(extra)
-        model_state = _cpu_copy(self.model.state_dict())
-        state = {"model": model_state}
+        live: dict[str, Any] = {"model": self.model.state_dict()}
         if self.optimizer is not None:
-            state["optimizer"] = _cpu_copy(self.optimizer.state_dict())
+            live["optimizer"] = self.optimizer.state_dict()
         if extras:
-            state["extra"] = _cpu_copy(extras)
-        sensitivity = {f"model/{n}": (self._ema[n] * model_state[n].float()).abs().numpy()
-                       for n in self._ema if n in model_state}
-        # cleared here, in the loop's thread: the next window starts now, whatever the background does
-        self._ema = {}
+            live["extra"] = extras
+        # CUDA tensors: enqueued into reusable pinned buffers, not waited for (staging.py)
+        state, staged = self._staging.copy(live)
+        # handed over and cleared here, in the loop's thread: the next window starts now
+        ema, self._ema = self._ema, {}
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in self.model.named_modules()
                  for p, _ in mod.named_parameters(recurse=False)}
         eval_model = (copy.deepcopy(self.model)  # stays on its device
                       if self.eval_fn is not None or self.probe is not None else None)
         copy_s = time.perf_counter() - start
         params = param_paths(self.model, self.optimizer) if self.optimizer is not None else {}
-        job = _Job(state, sensitivity, kinds, eval_model, params, step, metrics, message, copy_s)
+        job = _Job(state, {}, kinds, eval_model, params, step, metrics, message, copy_s, staged, ema)
         if self._pool is None:
             return self._save(job)
         self._pending = self._pool.submit(self._save, job)
@@ -360,6 +365,7 @@ class Checkpointer:
         self._check_open("restore")
         self.wait()
         self._gc.wait_idle()  # a retention gc in flight must not race this read
+        head = self.repo.branches().get(self.branch)  # what the next save replaces
         snapshot_id = self._resolve(ref)
         state, self.restored_exact = load_state_report(self.repo, snapshot_id)
         info = self.repo.snapshot(snapshot_id)
@@ -379,7 +385,7 @@ class Checkpointer:
         for name, obj in self.extra_state.items():
             _load_into(obj, extras[name])
         self.extra = dict(extras)
-        self._parent = snapshot_id
+        self._parent, self._expect_head = snapshot_id, head
         if self._keeper is not None:
             self._keeper.restored()
         recorded = info.metadata.get("quantization")
@@ -403,15 +409,20 @@ class Checkpointer:
     # -- background ------------------------------------------------------------------------
     def _save(self, job: _Job) -> SnapshotInfo:
         t0 = time.perf_counter()
+        job.staged.wait()
+        model_state = job.state["model"]
+        job.sensitivity.update({f"model/{n}": (g * model_state[n].float()).abs().numpy()
+                                for n, g in job.ema.items() if n in model_state})
         arrays, dtypes, skeleton = state_to_arrays(job.state)
+        parent, expected = self._commit_base()
         evaluate: _QuantizedEval | None = None
         plans: Any = None
         if self.lossless:
             decision = Decision(None, QuantizationRecord(config=None, tolerance=self.policy.tolerance,
                                                          higher_is_better=self.policy.higher_is_better))
         else:
-            loop = self._closed_loop(arrays) if self.closed_loop else None
-            decision, plans, evaluate = self._decide(job, arrays, dtypes, loop)
+            loop = self._closed_loop(arrays, parent) if self.closed_loop else None
+            decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent)
             if loop is not None and loop.bases and decision.record.config is None \
                     and decision.record.search is not None:
                 # no residual met the tolerance (the parents' reconstructions used up the
@@ -419,7 +430,7 @@ class Checkpointer:
                 log.info("checkpoint at step %s: no closed-loop residual within tolerance; searching keyframes",
                          job.step)
                 spent = evaluate
-                decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes())
+                decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes(), parent)
                 if evaluate is not None and spent is not None:
                     evaluate.calls, evaluate.seconds = evaluate.calls + spent.calls, evaluate.seconds + spent.seconds
         t_search = time.perf_counter() - t0
@@ -432,11 +443,22 @@ class Checkpointer:
                 log.warning("checkpoint at step %s: %s", job.step, decision.moments.skipped)
                 self._told_skipped = True
         self._gc.wait_idle()  # our own retention gc first: the commit would only poll for it
-        info = self._commit(arrays, dtypes=dtypes, attributes=_attributes(skeleton, job.params), quantize=plans,
-                            branch=self.branch, parent=self._parent, step=job.step, metrics=job.metrics,
-                            message=job.message or f"step {job.step}",
-                            metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)
+        try:
+            info = self._commit(arrays, dtypes=dtypes, attributes=_attributes(skeleton, job.params), quantize=plans,
+                                branch=self.branch, parent=parent, expect_head=expected, step=job.step,
+                                metrics=job.metrics, message=job.message or f"step {job.step}",
+                                metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)
+        except ConflictError as exc:
+            found = self.repo.branches().get(self.branch)
+            if found == expected:
+                raise  # not a moved head (a gc holding the store): the message says what to do
+            raise ConflictError(self._moved(expected, found)) from exc
+        if expected is not None and parent != expected:
+            log.warning("checkpoint at step %s: committed on %s, not on the head %s it replaces; that head is "
+                        "kept as branch %r", job.step, str(parent)[:12], expected[:12],
+                        replaced_branch_name(self.branch, expected))
         self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
+        self._expect_head = info.id
         self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
                              "eval_s": evaluate.seconds if evaluate is not None else 0.0,
                              "evaluations": evaluate.calls if evaluate is not None else 0,
@@ -447,8 +469,40 @@ class Checkpointer:
             self._gc.request()  # older residuals fell out of the newest exact_resume versions
         return info
 
-    def _decide(self, job: _Job, arrays: dict[str, Any], dtypes: dict[str, str], loop: ClosedLoop | None
-                ) -> tuple[Decision, Any, _QuantizedEval | None]:
+    def _commit_base(self) -> tuple[str | None, str | None]:
+        """(parent, head it replaces) of this save, checked before the search: the head must be
+        the one this Checkpointer expects (its last save, or the head when it restored; any
+        head before either), else ConflictError naming both. The parent is the version this
+        Checkpointer continues (its last save or the restored one; the head at first); a
+        restored version another process's gc collected since is replaced by the head it would
+        have replaced, with a warning: the state in hand is whole, only its delta base changes."""
+        head = self.repo.branches().get(self.branch)
+        expected = head if self._expect_head is ANY_HEAD else self._expect_head
+        assert not isinstance(expected, AnyHead)
+        if head != expected:
+            raise ConflictError(self._moved(expected, head))
+        parent = self._parent if self._parent is not None else head
+        if parent is not None and parent != head:
+            try:
+                self.repo.resolve(parent)
+            except NotFoundError:
+                log.warning("checkpoint: the version restored (%s) is gone (collected by a gc); this save "
+                            "commits on the head %s instead", parent[:12], str(head)[:12])
+                self._parent = parent = head
+        return parent, expected
+
+    def _moved(self, expected: str | None, head: str | None) -> str:
+        """The ConflictError message of a branch head another writer moved."""
+        mine = (f"{expected}, this Checkpointer's last save or the head when it restored" if expected
+                else "no head (this Checkpointer starts the branch)")
+        got = f"head {head}" if head is not None else "no such branch (deleted)"
+        return (f"Expected the head of branch {self.branch!r} to be {mine}. Got {got} instead: another writer "
+                "committed since. Nothing was written and both versions are kept. Two writers on one branch "
+                "would drop each other's versions from its history: give each Checkpointer its own branch= "
+                "(restore('main') forks it), or call restore() to continue from the new head.")
+
+    def _decide(self, job: _Job, arrays: dict[str, Any], dtypes: dict[str, str], loop: ClosedLoop | None,
+                parent: str | None) -> tuple[Decision, Any, _QuantizedEval | None]:
         """The search of one save: its decision, the plans to write (closed-loop ones when
         ``loop`` codes the weights) and the evaluator it used (None without ``eval_fn``)."""
         searched = arrays if loop is None else loop.search_arrays(arrays)
@@ -457,7 +511,7 @@ class Checkpointer:
         # joint moment pruning follows pruned *weights*; a residual's pruned elements are
         # most of the tensor (they keep their value), so its moments are pruned on their own
         params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
-        candidates = Candidates(searched, dtypes, self._previous_codecs(), sensitivity=sensitivity,
+        candidates = Candidates(searched, dtypes, self._previous_codecs(parent), sensitivity=sensitivity,
                                 module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
                                 optimizer_hyper=adam_hyper(job.state.get("optimizer")))
         evaluate = None
@@ -513,20 +567,15 @@ class Checkpointer:
                             kwargs.get("step"), attempt + 1)
         raise AssertionError("unreachable")
 
-    def _closed_loop(self, arrays: Mapping[str, Any]) -> ClosedLoop:
+    def _closed_loop(self, arrays: Mapping[str, Any], parent: str | None) -> ClosedLoop:
         """This save's closed-loop coding: the float32 model tensors whose parent version
         holds a closed-loop array (read from the store, so a restore or another writer's
         parent is followed exactly)."""
-        parent = self._parent or self.repo.branches().get(self.branch)
         paths = sorted(p for p, a in arrays.items() if p.startswith("model/") and getattr(a, "dtype", None) == np.float32)
         reader = None if parent is None else self.repo.checkout(parent)
         return ClosedLoop(paths, parent_bases(reader, paths, arrays), arrays, self.repo.keyframe_interval)
 
-    def _previous_codecs(self) -> dict[str, dict[str, Any]]:
-        parent = self._parent
-        if parent is None:
-            heads = self.repo.branches()
-            parent = heads.get(self.branch)
+    def _previous_codecs(self, parent: str | None) -> dict[str, dict[str, Any]]:
         if parent is None:
             return {}
         return previous_codecs(self.repo.checkout(parent).view)

@@ -17,7 +17,6 @@ tag and gc a Checkpointer runs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import re
@@ -434,16 +433,24 @@ class _OtherBranchesKept(Refs):
         for name, seqs in self.branch_seqs().items():
             if name != self._branch:
                 for seq in seqs:
-                    with contextlib.suppress(FileNotFoundError, InshrinkError):
-                        self._walk(self.read(branch_ref_path(name, seq)), kept)
+                    try:
+                        start = self.read(branch_ref_path(name, seq))
+                    except FileNotFoundError:
+                        continue  # deleted since the listing
+                    self._walk(start, kept)
         return {**{f"{sid} (another branch's)": sid for sid in kept}, **super().tags()}
 
     def _walk(self, start: str | None, kept: set[str]) -> None:
-        """Add ``start`` and its ancestors to ``kept``, up to one already there or missing."""
+        """Add ``start`` and its ancestors to ``kept``, up to one already there or missing.
+
+        Only a confirmed absence ends the walk (NotFoundError: a parent an earlier gc removed,
+        or a dangling ref, verify's to report). Any other error propagates and stops the gc
+        reading these tags before it deletes anything: ended here, a transient error on one
+        snapshot would let the gc sweep that branch's older versions (gc fails closed)."""
         while start is not None and start not in kept:
             try:
                 parent = self._history.get(start).parent
-            except InshrinkError:
-                return  # missing: gone before this gc (or a dangling ref, verify's to report)
+            except NotFoundError:
+                return
             kept.add(start)
             start = parent
