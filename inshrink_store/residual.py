@@ -28,7 +28,7 @@ the writer's lease, so a version whose residual gc keeps never lacks one.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,13 +255,19 @@ class Residual:
         return apply(self.objects, self.arrays[path], stored, path)
 
 
-def near_heads(history: Any, heads: Iterable[str]) -> dict[str, set[str]]:
+def near_heads(history: Any, heads: Iterable[str],
+               on_error: Callable[[str, Exception], None] | None = None) -> dict[str, set[str]]:
     """Residual id -> the snapshots that keep it: every version less than its own
     ``keep_newest`` below a branch head. A set, since documents are addressed by content:
     identical saves name one document, and it is needed while any of them keeps it.
     ``keep_newest`` is at most :data:`MAX_KEEP_NEWEST`, so this reads at most that many
     snapshots per branch, whatever the length of the history (what lets the Checkpointer
-    drop old residuals cheaply)."""
+    drop old residuals cheaply).
+
+    A missing snapshot ends a walk (a parent gc removed, or a dangling head). Any other error
+    reading one goes to ``on_error`` (snapshot id, error), which raises to stop the caller
+    (gc fails closed) or returns to end that walk; without it a damaged snapshot ends the
+    walk and any other error propagates."""
     out: dict[str, set[str]] = {}
     for head in heads:
         current: str | None = head
@@ -270,7 +276,13 @@ def near_heads(history: Any, heads: Iterable[str]) -> dict[str, set[str]]:
             try:
                 info = history.get(current)
                 ref = ResidualRef.from_metadata(info.metadata, current)
-            except (IntegrityError, FormatError, NotFoundError):
+            except NotFoundError:
+                break
+            except Exception as exc:
+                if on_error is None and not isinstance(exc, (IntegrityError, FormatError)):
+                    raise
+                if on_error is not None:
+                    on_error(current, exc)
                 break
             if keeps(distance, ref):
                 assert ref is not None

@@ -167,8 +167,8 @@ def gc(parts: StoreParts, keep_last: int | None = None, *, dry_run: bool = False
 
     Fails closed: any error reading what decides what to keep stops it before it deletes
     anything, with an error naming what could not be read (see
-    :mod:`~inshrink_store.admin.reachability`). Safe beside any number of writers, tag/branch creations and other gc runs (see
-    :class:`GarbageCollector`). Refuses with ``ConflictError`` (nothing deleted) while a
+    :mod:`~inshrink_store.admin.reachability`). Safe beside any number of writers, tag and
+    branch creations and other gc runs (see :class:`GarbageCollector`). Refuses with ``ConflictError`` (nothing deleted) while a
     commit is in progress or another gc runs, after waiting up to ``wait`` seconds. A
     writer lease unrenewed for ``stale_after`` seconds (or whose process is gone) is
     fenced off: that writer can no longer publish. A dry run takes no lease.
