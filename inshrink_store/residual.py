@@ -36,9 +36,9 @@ import numpy as np
 import xxhash
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.cas import ObjectStore
+from inshrink_store.cas import ObjectStore, undecodable
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES, ByteGroup
-from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
+from inshrink_store.errors import FormatError, InshrinkError, IntegrityError, NotFoundError
 from inshrink_store.layout import check_id, residual_path
 from inshrink_store.manifest import canonical_json, content_id, parse_document
 from inshrink_store.storage import Storage
@@ -218,7 +218,11 @@ def apply(objects: ObjectStore, array: ResidualArray, stored: np.ndarray, path: 
                                   f"{bytes(payload[:4])!r} instead.")
             piece = np.asarray(codec.decode(payload[len(PIECE_MAGIC):])).view(bits.dtype).reshape(-1)
         except FormatError as exc:
-            raise IntegrityError(f"Expected residual piece {oid} of {path!r} to decode. Got {exc} instead.") from None
+            raise IntegrityError(f"Residual piece of {path!r}: {undecodable(oid, exc)}") from exc
+        except (InshrinkError, OSError, MemoryError):
+            raise  # damaged or missing (named already), or the storage failed
+        except Exception as exc:  # numpy's on a piece of the wrong size: the same error
+            raise IntegrityError(f"Residual piece of {path!r}: {undecodable(oid, exc)}") from exc
         if offset + piece.size > bits.size:
             raise IntegrityError(f"Expected the residual pieces of {path!r} to cover {bits.size} elements. "
                                  "Got more instead.")

@@ -1,12 +1,11 @@
-"""gc fails closed (issue 41, items 1 and 2).
+"""gc fails closed, and verify names what it finds (issue 41, items 1, 2 and 4).
 
 A transient storage error while gc marks (a throttled GET of a snapshot document, of an
 object's header, of a residual document) used to read as "nothing more to keep": a kept
 delta lost its base (item 1), a kept version was swept (item 2). Each case here injects
 the issue's exact fault into one storage object's reads and checks that gc raises, deletes
 nothing, and collects as asked once the storage answers again. Also: verify wraps a decode
-error of a crafted coder-4 object as an IntegrityError naming it (item 4), and does not
-report the rightly collected residual of an old version that became a branch head (item 6).
+error of a crafted coder-4 object as an IntegrityError naming it (item 4).
 """
 
 from __future__ import annotations
@@ -226,3 +225,30 @@ def test_retention_stops_its_gc_on_a_transient_error_in_another_branchs_history(
     fresh = ins.open(memory_url)
     assert [info.id for info in fresh.log("side")] == side[::-1] and len(fresh.log("main")) == 1
     assert fresh.verify().ok
+
+
+# -- item 4: verify wraps every decode error ------------------------------------------------
+
+
+def test_verify_reports_a_coder_4_delta_on_a_base_of_odd_length_as_an_integrity_error(memory_url: str) -> None:
+    """A crafted coder-4 delta whose base payload (6 bytes) is not whole float32 elements: a
+    read refused it with an IntegrityError, verify raised numpy's raw ValueError."""
+    from inshrink_store.codecs import closed_loop
+    from inshrink_store.codecs.nuq import quantizer
+
+    repo = ins.open(memory_url, create=True)
+    values = np.linspace(-1, 1, 64, dtype=np.float32)
+    info = repo.save({"w": values})
+    (oid,) = [o for key, o in repo.checkout(info.id).index.chunk_ids("w").items() if key != "zarr.json"]
+    objects = repo._parts.objects
+    base = objects.put(b"\x01\x02\x03\x04\x05\x06").oid  # a raw keyframe of 6 bytes
+    q = quantizer((-1.0, 0.0, 1.0), 0.0, "float32", "float32")
+    body = closed_loop.encode(q.encode(np.round(values)), np.asarray(q.centres, np.float32))
+    crafted = cas._frame(cas.KIND_DELTA, cas.CODER_CLOSED_LOOP, 1, values.tobytes(), base, body)
+    repo._storage.write(object_path(oid), crafted)
+
+    report = ins.open(memory_url).verify()
+    assert [(p.kind, p.id) for p in report.problems] == [("object", oid)]
+    assert oid in report.problems[0].error and report.problems[0].used_by == [(info.id, "w")]
+    with pytest.raises(ins.IntegrityError, match=oid):  # a read names it too (one definition)
+        ins.open(memory_url).checkout(info.id).read("w")
