@@ -72,6 +72,7 @@ from inshrink_store.torch.retention import (
 )
 from inshrink_store.torch.staging import HostStaging, Staged
 from inshrink_store.torch.tensors import (
+    flatten_state,
     is_state_leaf,
     load_state_report,
     state_to_arrays,
@@ -216,6 +217,7 @@ class Checkpointer:
         self._previous: QuantConfig | None = None
         self._previous_space: SearchSpace | None = None  # the search space _previous was found in
         self._staging = HostStaging()
+        self._checked_views = False  # the first save logs tensors that share memory as different views
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
         self._pending: Future[SnapshotInfo] | None = None
         self._closed = False
@@ -299,6 +301,9 @@ class Checkpointer:
             live["optimizer"] = self.optimizer.state_dict()
         if extras:
             live["extra"] = extras
+        if not self._checked_views:  # before the copy, which keeps ties but not partial overlaps
+            self._checked_views = True
+            flatten_state(live)  # logs tensors sharing memory as different views (tied ones alias)
         # CUDA tensors: enqueued into reusable pinned buffers, not waited for (staging.py)
         state, staged = self._staging.copy(live)
         # handed over and cleared here, in the loop's thread: the next window starts now

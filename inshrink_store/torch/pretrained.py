@@ -17,7 +17,9 @@ not say which architecture they belong to, so the config comes from, the first f
 generation config, a SentenceTransformer's module configs) but never a weight file: the
 weights are the version's. Writing the folder does not need transformers; where it is
 installed, the config's model is built on the meta device to learn which weights it ties
-(a Checkpointer's copy of the state no longer shares them, so the store cannot tell).
+(a version stores a tied parameter once and reads it back as one tensor under both names,
+but a Checkpointer's versions written before issue 41 kept two copies, and a state saved without the live tensors
+cannot show its ties).
 """
 
 from __future__ import annotations

@@ -150,7 +150,41 @@ def _storage_identity(tensor: Any) -> Any:
 def flatten_state(state: Any) -> tuple[dict[str, Any], Any]:
     """(path -> tensor or numpy array, skeleton) of a nested state: tied tensors once, numpy
     leaves and ``torch.Size`` marked so that they come back as they were."""
-    return flatten(state, is_state_leaf, _storage_identity, leaf_tag=_numpy_tag, tuple_types=TUPLE_TYPES)
+    leaves, skeleton = flatten(state, is_state_leaf, _storage_identity, leaf_tag=_numpy_tag, tuple_types=TUPLE_TYPES)
+    warn_shared_views(leaves)
+    return leaves, skeleton
+
+
+def shared_views(leaves: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Pairs of paths whose tensors overlap in memory without being the same view (what
+    ``safetensors`` refuses: a fused weight and a slice of it). The same view under two names
+    (tied weights) is an alias :func:`flatten_state` stores once, never listed here."""
+    spans = []
+    for path, tensor in leaves.items():
+        if isinstance(tensor, np.ndarray) or tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta:
+            continue
+        size = tensor.element_size()
+        start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * size
+        extent = sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+        spans.append((str(tensor.device), start, start + extent * size, _storage_identity(tensor), path))
+    spans.sort(key=lambda span: span[:3])
+    pairs = []
+    for i, (device, _start, end, ident, path) in enumerate(spans):
+        for other in spans[i + 1:]:
+            if other[0] != device or other[1] >= end:
+                break
+            if other[3] != ident:
+                pairs.append((path, other[4]))
+    return pairs
+
+
+def warn_shared_views(leaves: Mapping[str, Any]) -> None:
+    """Log the tensors that share memory as different views (see :func:`shared_views`)."""
+    pairs = shared_views(leaves)
+    if pairs:
+        log.warning("tensors %s share memory as different views: each is stored with its own values (a lossy "
+                    "version may give their shared elements two values); tie them as one tensor, or save "
+                    "lossless", ", ".join(f"{a} and {b}" for a, b in pairs[:5]))
 
 
 def unflatten_state(skeleton: Any, leaves: dict[str, Any]) -> Any:
