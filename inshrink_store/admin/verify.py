@@ -11,7 +11,8 @@ from inshrink_store import residual
 from inshrink_store.admin.reachability import kept_residuals, snapshot_closure
 from inshrink_store.cas import ObjectStore
 from inshrink_store.dcp_document import check_attributes
-from inshrink_store.errors import InshrinkError
+from inshrink_store.errors import InshrinkError, NotFoundError
+from inshrink_store.history import SnapshotInfo
 from inshrink_store.manifest import NodeTree
 from inshrink_store.parts import StoreParts
 
@@ -51,19 +52,19 @@ class VerifyReport:
 def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
     problems: list[Problem] = []
     fresh = ObjectStore(parts.storage, keyframe_interval=parts.objects.keyframe_interval)
-    snapshots: set[str] = set()
+    infos: dict[str, SnapshotInfo] = {}
     for sid in sorted(_closure(parts, problems)):
         try:
-            parts.history.get(sid)
-            snapshots.add(sid)
+            infos[sid] = parts.history.get(sid)
         except InshrinkError as exc:
             problems.append(Problem("snapshot", sid, str(exc)))
+    snapshots = set(infos)
     users: dict[str, set[tuple[str, str]]] = {}
     trees = 0
     checked: dict[str, NodeTree] = {}  # node trees read (and checked) in this run, by id
     for sid in sorted(snapshots):
         try:
-            reader = parts.reader(parts.history.get(sid), objects=fresh)
+            reader = parts.reader(infos[sid], objects=fresh)
             reader.index.adopt(checked)  # versions share most trees: read each from storage once
             for path, (tid, tree) in reader.index.node_trees().items():
                 checked[tid] = tree
@@ -75,11 +76,16 @@ def verify(parts: StoreParts, progress: Progress | None = None) -> VerifyReport:
         except InshrinkError as exc:
             problems.append(Problem("tree", sid, str(exc)))
     kept = kept_residuals(parts, snapshots, strict=False)
+    children = _children(infos)
     for rid, sids in kept.items():  # the newest versions' restore residuals
         try:
             for path, array in residual.load(parts.storage, rid).items():
                 for oid in array.pieces:
                     users.setdefault(oid, set()).update((sid, f"residual of {path}") for sid in sids)
+        except NotFoundError as exc:  # rightly collected, unless a version still needs it
+            needing = [sid for sid in sorted(sids) if _still_needs_residual(infos[sid], children)]
+            if needing:
+                problems.append(Problem("residual", rid, str(exc), [(sid, "restore residual") for sid in needing]))
         except InshrinkError as exc:
             problems.append(Problem("residual", rid, str(exc), [(sid, "restore residual") for sid in sorted(sids)]))
     deltas = 0
@@ -149,6 +155,31 @@ def _residual_error(reader: Any, info: Any, fresh: ObjectStore, array: residual.
     except InshrinkError as exc:
         return f"an error ({exc})"
     return None
+
+
+def _children(infos: dict[str, SnapshotInfo]) -> dict[str, list[str]]:
+    """Snapshot id -> the versions committed on top of it, among ``infos``."""
+    out: dict[str, list[str]] = {}
+    for sid, info in infos.items():
+        if info.parent is not None:
+            out.setdefault(info.parent, []).append(sid)
+    return out
+
+
+def _still_needs_residual(info: SnapshotInfo, children: dict[str, list[str]]) -> bool:
+    """Whether version ``info`` must still have its restore residual: fewer than its
+    ``keep_newest`` versions have been committed on top of it on every line of history verify
+    sees. Once one line holds that many, the version fell out of the newest of that branch
+    when they were written, and a gc may have collected its residual; a branch or tag made
+    at it later (``create_branch("old", "main~2")``) does not bring it back, so its absence
+    is no problem (reads then return the stored values and say so)."""
+    ref = residual.ResidualRef.from_metadata(info.metadata, info.id)
+    level = {info.id}
+    for _ in range(0 if ref is None else ref.keep_newest):
+        level = {child for sid in level for child in children.get(sid, ())}
+        if not level:
+            return True
+    return False
 
 
 def _closure(parts: StoreParts, problems: list[Problem]) -> set[str]:

@@ -152,7 +152,8 @@ def require_cupy() -> Any:
 # -- level assignment ---------------------------------------------------------------------
 
 #: the bits each element dtype is read as on the device, and the expression widening them
-_BITS = {"float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.uint16)}
+_BITS: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.uint16)}
 _WIDEN = {
     "float32": "inshrink_f32_bits_to_f64(x)",
     "float16": "inshrink_f16_bits_to_f64(x)",

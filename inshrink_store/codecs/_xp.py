@@ -66,7 +66,8 @@ def to_host(array: Any) -> np.ndarray:
     if cupy is None:
         return np.asarray(array)
     if array.nbytes < PINNED_FROM_BYTES:
-        return array.get()
+        small: np.ndarray = array.get()
+        return small
     host: np.ndarray = importlib.import_module("cupyx").empty_pinned(array.shape, array.dtype)
     array.get(out=host)
     return host

@@ -102,6 +102,10 @@ def test_save_state_and_load_state_take_and_give_cuda_tensors(tmp_path):
         assert back["model"][name].is_cuda and torch.equal(back["model"][name], value), name
 
 
+SINGLE_PROCESS = "ignore:torch.distributed is disabled:UserWarning"  # DCP without a process group
+
+
+@pytest.mark.filterwarnings(SINGLE_PROCESS)
 def test_dcp_saves_and_loads_cuda_tensors(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -119,6 +123,7 @@ def test_dcp_saves_and_loads_cuda_tensors(tmp_path):
         assert target["model"][name].is_cuda and torch.equal(target["model"][name], value), name
 
 
+@pytest.mark.filterwarnings(SINGLE_PROCESS)
 def test_dcp_async_save_of_cuda_tensors_commits_what_was_staged(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -1,11 +1,12 @@
-"""gc fails closed, and verify names what it finds (issue 41, items 1, 2 and 4).
+"""gc fails closed, and verify names what it finds (issue 41, items 1, 2, 4 and 6).
 
 A transient storage error while gc marks (a throttled GET of a snapshot document, of an
 object's header, of a residual document) used to read as "nothing more to keep": a kept
 delta lost its base (item 1), a kept version was swept (item 2). Each case here injects
 the issue's exact fault into one storage object's reads and checks that gc raises, deletes
 nothing, and collects as asked once the storage answers again. Also: verify wraps a decode
-error of a crafted coder-4 object as an IntegrityError naming it (item 4).
+error of a crafted coder-4 object as an IntegrityError naming it (item 4), and does not
+report the rightly collected residual of an old version that became a branch head (item 6).
 """
 
 from __future__ import annotations
@@ -252,3 +253,36 @@ def test_verify_reports_a_coder_4_delta_on_a_base_of_odd_length_as_an_integrity_
     assert oid in report.problems[0].error and report.problems[0].used_by == [(info.id, "w")]
     with pytest.raises(ins.IntegrityError, match=oid):  # a read names it too (one definition)
         ins.open(memory_url).checkout(info.id).read("w")
+
+
+# -- item 6: verify knows which versions should still have a residual ----------------------
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_verify_does_not_report_a_rightly_collected_residual_of_a_new_branch_head(
+        memory_url: str, keep: int) -> None:
+    repo = ins.open(memory_url, create=True)
+    rng = np.random.default_rng(6)
+    for i in range(4):
+        repo.save({"p": rng.standard_normal((16, 16)).astype(np.float32)}, quantize=QC, exact_resume=keep, step=i)
+    old = repo.snapshot("main~2")
+    repo.gc_residuals()
+    assert repo.residual(old.id) is None  # collected: main~2 is past its keep_newest on main
+    repo.create_branch("from-old", "main~2")
+    assert repo.verify().ok, repo.verify().problems
+    assert not any(repo.gc().deleted.values())  # a full gc keeps what is there and stops at nothing
+    assert ins.open(memory_url).verify().ok
+    np.testing.assert_array_equal(repo.checkout("from-old").read("p"), repo.checkout(old.id).read("p"))
+
+
+def test_verify_still_reports_the_missing_residual_of_a_version_that_needs_it(memory_url: str) -> None:
+    repo = ins.open(memory_url, create=True)
+    rng = np.random.default_rng(7)
+    for i in range(3):
+        repo.save({"p": rng.standard_normal((16, 16)).astype(np.float32)}, quantize=QC, exact_resume=2, step=i)
+    repo.create_branch("from-old", "main~2")  # before the sweep: its residual is kept
+    repo.gc_residuals()
+    needed = repo.snapshot("main~1")
+    repo._storage.delete(residual_path(str(needed.metadata["residual"]["id"])))
+    (problem,) = repo.verify().problems
+    assert problem.kind == "residual" and problem.used_by == [(needed.id, "restore residual")]
