@@ -100,6 +100,8 @@ class Row:
     restore_s: float | None
     exact: bool | None
     held_loss: float
+    blocked_ms: list[float] = field(default_factory=list)  # each save's
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 def _disk_bytes(path: Path) -> int:
@@ -125,6 +127,13 @@ class Saver:
 
     def __init__(self, work: Workload, path: Path) -> None:
         self.work, self.path = work, path
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Before the loop, untimed: what a training script does once (open a store)."""
+
+    def details(self) -> dict[str, Any]:
+        """Anything this way of saving measured itself (the Checkpointer's own timings)."""
+        return {}
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         pass
@@ -209,10 +218,14 @@ class Inshrink(Saver):
             return Checkpointer(repo, model, optimizer, lossless=True)
         return Checkpointer(repo, model, optimizer, eval_fn=self.work.held_out_loss, higher_is_better=False)
 
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.ck = self._checkpointer(model, optimizer, create=True)
+
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        if not hasattr(self, "ck"):
-            self.ck = self._checkpointer(model, optimizer, create=True)
         self.ck.save(step)
+
+    def details(self) -> dict[str, Any]:
+        return {"timings": [{k: round(v, 3) for k, v in t.items()} for t in self.ck.timings]}
 
     def finish(self) -> None:
         self.ck.close()
@@ -232,6 +245,7 @@ def run(work: Workload, saver_type: type[Saver], root: Path) -> Row:
     path.mkdir(parents=True, exist_ok=True)
     saver = saver_type(work, path)
     model, optimizer = work.fresh()
+    saver.setup(model, optimizer)
     blocked: list[float] = []
     reference: dict[str, Any] = {}
     work.sync()
@@ -267,7 +281,8 @@ def run(work: Workload, saver_type: type[Saver], root: Path) -> Row:
         exact = _same_state({"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}, reference)
     return Row(saver_type.name, round(loop_s, 3), round(1e3 * sum(blocked) / max(len(blocked), 1), 1),
                round(1e3 * max(blocked, default=0.0), 1), round(commit_s, 3), round(_disk_bytes(path) / 1e6, 1),
-               None if restore_s is None else round(restore_s, 3), exact, round(work.held_out_loss(model), 4))
+               None if restore_s is None else round(restore_s, 3), exact, round(work.held_out_loss(model), 4),
+               [round(1e3 * b, 1) for b in blocked], saver.details())
 
 
 def _cpu_clone(obj: Any) -> Any:

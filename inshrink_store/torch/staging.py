@@ -6,9 +6,11 @@ a plain copy. For CUDA tensors a blocking ``.to("cpu")`` per tensor waits for ea
 (GPT-2 124 M: 2 to 10 s of the loop per save, most of it pageable-memory copies and a
 synchronisation per tensor). :class:`HostStaging` instead:
 
-- keeps **reusable pinned host buffers**, one per tensor of the state (matched by path,
-  shape and dtype; allocated at the first save, reused by every later one), so a copy runs
-  at the bus's speed and no save allocates page-locked memory again;
+- keeps **one reusable pinned host arena** holding a buffer for every CUDA tensor of the
+  state: allocated in one piece at the first save (one page-locking call, not one per
+  tensor, and no rounding of each tensor up to a power of two as torch's host caching
+  allocator does), carved into views, and reused by every later save whose tensors have
+  the same names, shapes and dtypes; so a copy runs at the bus's speed;
 - **enqueues** each copy with ``non_blocking=True`` on the stream the tensor was produced on
   (the loop's current stream) and records one CUDA event per device after the last copy;
 - returns at once: the loop's thread never waits for a transfer. The background save calls
@@ -54,21 +56,30 @@ def _identity(t: Any) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
+#: each buffer starts at a multiple of this many bytes in the arena (any dtype's alignment)
+ALIGN = 64
+
+
 class HostStaging:
-    """Pinned host buffers reused across saves; see the module docstring."""
+    """A pinned host arena reused across saves; see the module docstring."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
+        self._layout: tuple[tuple[str, tuple[int, ...], Any], ...] = ()
+        self._views: list[Any] = []
 
     def copy(self, obj: Any) -> tuple[Any, Staged]:
         """A copy of ``obj`` (nested dicts, lists and tuples of tensors and plain values)
-        whose CUDA tensors land in pinned buffers once the returned :class:`Staged` is waited
-        on; CPU tensors and everything else are copied now."""
-        used: dict[tuple[str, tuple[int, ...], Any], Any] = {}
-        seen: dict[tuple[Any, ...], Any] = {}
+        whose CUDA tensors land in the pinned arena once the returned :class:`Staged` is
+        waited on; CPU tensors and everything else are copied now."""
+        cuda: dict[tuple[Any, ...], tuple[str, Any]] = {}
+        self._collect(obj, "", cuda)
+        views = self._arena([(path, t) for path, t in cuda.values()])
+        buffers = dict(zip(cuda, views, strict=True))
         devices: set[Any] = set()
-        out = self._copy(obj, "", used, seen, devices)
-        self._buffers = used  # buffers of tensors gone from the state are released
+        for (_, t), view in zip(cuda.values(), views, strict=True):
+            view.copy_(t, non_blocking=True)
+            devices.add(t.device)
+        out = self._copy(obj, buffers, {})
         staged = Staged()
         for device in sorted(devices, key=str):
             event = torch.cuda.Event()
@@ -76,27 +87,49 @@ class HostStaging:
             staged.events.append(event)
         return out, staged
 
-    def _copy(self, obj: Any, path: str, used: dict[tuple[str, tuple[int, ...], Any], Any],
-              seen: dict[tuple[Any, ...], Any], devices: set[Any]) -> Any:
+    def _collect(self, obj: Any, path: str, cuda: dict[tuple[Any, ...], tuple[str, Any]]) -> None:
+        """The distinct CUDA tensors of ``obj``, in traversal order, with their first path."""
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                cuda.setdefault(_identity(obj.detach()), (path, obj.detach()))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                self._collect(v, f"{path}/{k}", cuda)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                self._collect(v, f"{path}/{i}", cuda)
+
+    def _arena(self, tensors: list[tuple[str, Any]]) -> list[Any]:
+        """A pinned view per tensor: the last save's when the layout is the same, else a
+        new arena (the old one is freed with its views)."""
+        layout = tuple((path, tuple(t.shape), t.dtype) for path, t in tensors)
+        if layout != self._layout:
+            sizes = [t.numel() * t.element_size() for _, t in tensors]
+            starts, total = [], 0
+            for size in sizes:
+                starts.append(total)
+                total += -(-size // ALIGN) * ALIGN
+            self._views = []
+            arena = torch.empty(total, dtype=torch.uint8, pin_memory=True) if total else None
+            for (_, t), start, size in zip(tensors, starts, sizes, strict=True):
+                if arena is None or not size:  # an empty tensor: nothing to hold
+                    self._views.append(torch.empty(t.shape, dtype=t.dtype))
+                else:
+                    self._views.append(arena[start:start + size].view(t.dtype).view(t.shape))
+            self._layout = layout
+        return self._views
+
+    def _copy(self, obj: Any, buffers: dict[tuple[Any, ...], Any], seen: dict[tuple[Any, ...], Any]) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             key = _identity(t)
-            if key in seen:  # the same tensor under another name: one copy, both names
-                return seen[key]
-            if t.is_cuda:
-                slot = (path, tuple(t.shape), t.dtype)
-                buf = self._buffers.get(slot)
-                if buf is None:
-                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                used[slot] = buf
-                buf.copy_(t, non_blocking=True)
-                devices.add(t.device)
-            else:
-                buf = t.to("cpu", copy=True)
-            seen[key] = buf
-            return buf
+            if key in buffers:
+                return buffers[key]
+            if key not in seen:  # the same tensor under another name: one copy, both names
+                seen[key] = t.to("cpu", copy=True)
+            return seen[key]
         if isinstance(obj, dict):
-            return {k: self._copy(v, f"{path}/{k}", used, seen, devices) for k, v in obj.items()}
+            return {k: self._copy(v, buffers, seen) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, f"{path}/{i}", used, seen, devices) for i, v in enumerate(obj))
+            return type(obj)(self._copy(v, buffers, seen) for v in obj)
         return copy.deepcopy(obj)

@@ -140,3 +140,20 @@ def test_dcp_async_save_of_cuda_tensors_commits_what_was_staged(tmp_path):
     saved = load_state(ins.open(url), "main")
     for name, value in expected.items():
         assert torch.equal(saved["model"][name], value), name
+
+
+def test_the_arena_holds_every_dtype_and_follows_a_changed_layout():
+    state = {"w": torch.randn(33, 7, device="cuda", dtype=torch.bfloat16),
+             "step": torch.tensor(5, device="cuda"), "mask": torch.rand(13, device="cuda") > 0.5,
+             "empty": torch.empty(0, 4, device="cuda"), "cpu": torch.arange(3), "n": 2}
+    staging = HostStaging()
+    copied, staged = staging.copy(state)
+    staged.wait()
+    for name in ("w", "step", "mask", "empty"):
+        assert copied[name].dtype == state[name].dtype and torch.equal(copied[name], state[name].cpu()), name
+    assert copied["cpu"] is not state["cpu"] and copied["n"] == 2
+    state["extra"] = torch.ones(5, device="cuda", dtype=torch.float64)  # a new tensor: a new arena
+    again, staged = staging.copy(state)
+    staged.wait()
+    assert torch.equal(again["extra"], torch.ones(5, dtype=torch.float64))
+    assert torch.equal(again["w"], state["w"].cpu())
