@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store.codecs import _gpu
+from inshrink_store.codecs._xp import to_host
 from inshrink_store.codecs.nuq import Quantizer, quantizer
 
 TARGETS = {"encode": 20.0, "decode": 50.0}  # GB/s of float32 input on an H100
@@ -95,6 +96,14 @@ def throughput(cp: Any, numel: int, reps: int) -> list[str]:
     pinned = _pinned(cp, host.shape, np.float32)
     copy_pinned, _ = _best(lambda: x.get(out=pinned), reps, sync)
     copy_pageable, _ = _best(lambda: x.get(), reps, sync)
+    # where encode -> host bytes and decode of a host payload spend their time (rates below
+    # are per float32 input byte, as the targets): the payload's own copies and conversion
+    payload_to_host, host_payload = _best(lambda: to_host(payload_dev), reps, sync)
+    to_bytes, _ = _best(lambda: host_payload.tobytes(), reps, sync)
+    up_pageable, _ = _best(lambda: cp.asarray(payload_host), reps, sync)
+    payload_pinned = _pinned(cp, payload_host.shape, np.uint8)
+    payload_pinned[...] = payload_host
+    up_pinned, _ = _best(lambda: cp.asarray(payload_pinned), reps, sync)
     return [
         f"{numel:,} float32 weights ({nbytes / 2**30:.2f} GiB), payload {len(payload) / 2**20:.1f} MiB, "
         f"{q.levels} levels, {OUTLIERS:.1%} protected",
@@ -104,6 +113,10 @@ def throughput(cp: Any, numel: int, reps: int) -> list[str]:
         _row("GPU decode device payload", decode_dev, nbytes),
         _row("device-to-host copy (pinned)", copy_pinned, nbytes),
         _row("device-to-host copy (pageable)", copy_pageable, nbytes),
+        _row("  payload device->host (to_host)", payload_to_host, nbytes),
+        _row("  payload host array -> bytes", to_bytes, nbytes),
+        _row("  payload host->device (pageable)", up_pageable, nbytes),
+        _row("  payload host->device (pinned)", up_pinned, nbytes),
         _row("CPU encode (numpy, 1 thread)", cpu_encode, nbytes),
         _row("CPU decode (numpy, 1 thread)", cpu_decode, nbytes),
     ]
