@@ -1,5 +1,7 @@
-"""Test helpers that ship with inshrink-store: hypothesis strategies and a codec checker.
-Layer: none: test helpers outside the layers, importing only ``dtypes`` and ``codecs``.
+"""Test helpers that ship with inshrink-store: hypothesis strategies, a codec checker and a
+storage that fails on purpose.
+Layer: none: test helpers outside the layers, importing only ``dtypes``, ``codecs``,
+``storage`` and ``errors``.
 
 Use them to property-test the project's codecs and your own
 (``docs/guides/testing-your-codec.md``)::
@@ -13,15 +15,29 @@ Use them to property-test the project's codecs and your own
 
 Only the strategies need hypothesis (a test dependency, not a runtime one), so they
 are imported on first use; ``check_codec_roundtrip`` needs numpy and numcodecs only.
+
+:class:`FlakyStorage` wraps a store's storage and fails chosen or random reads, writes,
+listings and deletes, transiently or for good, so you can check that your setup loses no
+committed version when storage hiccups (``inshrink_store.Repository(FlakyStorage(...))``;
+see :mod:`inshrink_store.testing.flaky`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from inshrink_store.testing.flaky import (
+    FaultRule,
+    FaultStats,
+    FlakyStorage,
+    InjectedFault,
+    InjectedOSError,
+    InjectedStorageError,
+)
 from inshrink_store.testing.roundtrip import check_codec_roundtrip
 
-__all__ = ["FloatSample", "check_codec_roundtrip", "codebooks", "float_arrays", "nuq_configs"]
+__all__ = ["FaultRule", "FaultStats", "FlakyStorage", "FloatSample", "InjectedFault", "InjectedOSError",
+           "InjectedStorageError", "check_codec_roundtrip", "codebooks", "float_arrays", "nuq_configs"]
 _STRATEGIES = ("FloatSample", "codebooks", "float_arrays", "nuq_configs")
 
 
