@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratios and errors are exact and reproducible (every input is seeded).",
         "",
         *sections,
+        # recorded by hand from runs on a lent GPU machine (this one has none): kept as it stands
+        (Path(__file__).with_name("gpu_results.md")).read_text(),
         "## Measured elsewhere, each with its own command",
         "",
         "- Rate and distortion on real pretrained models (per-tensor allocation vs one configuration, "
