@@ -96,8 +96,10 @@ def du(
     prefix: Annotated[str, typer.Option("--prefix", help="Only tensors under this path, e.g. model/.")] = "",
     as_json: JsonOpt = False,
 ) -> None:
-    """Per version: logical bytes, new stored bytes, cumulative stored bytes, ratio (and, for a
-    training state, the weights' and the optimizer's overall ratios apart)."""
+    """Per version: logical bytes, new stored bytes, cumulative stored bytes and the ratio so far
+    (logical bytes of the versions up to it / their new stored bytes; for a training state the
+    weights' and the optimizer's apart); then where every byte under the store is, and the
+    store's ratio: logical bytes of every kept version / every byte under the store."""
     repo = _open(url)
     # the whole store's accounting only where the rows are the whole of each version (no prefix)
     summary = None if prefix or as_json else repo.du_summary(ref)
@@ -112,17 +114,27 @@ def du(
         return
     labels = {"model": "weights overall", "optimizer": "optimizer overall"}
     residuals = any(r.residual_bytes for r in rows)
-    table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio", "overall",
+    # no ratio of a version's logical bytes to the bytes it added: a version that dedups
+    # against its parent would show thousands (issue 43)
+    table = Table("snapshot", "step", "logical", "new stored", "deltas", "cumulative", "ratio so far",
                   *(labels[name] for name in parts), *(["exact resume"] if residuals else []))
     for r in rows:
         _row(table, r.snapshot[:12], r.step if r.step is not None else "-", _size(r.logical_bytes),
              _size(r.new_stored_bytes), f"{r.delta_objects}/{r.new_objects}",
-             _size(r.cumulative_stored_bytes), _ratio(r.ratio), _ratio(r.cumulative_ratio),
+             _size(r.cumulative_stored_bytes), _ratio(r.cumulative_ratio),
              *(_ratio(by_id[r.snapshot].cumulative_ratio) for by_id in parts.values()),
              *([_size(r.residual_bytes) if r.residual_bytes else "-"] if residuals else []))
     out.print(table)
+    _say(out, "ratio so far: logical bytes of the versions up to the row / their new stored bytes"
+         + (" (without the delta bases, other refs and documents counted below)" if summary is not None else ""))
     if summary is not None:
         out.print(_du_totals(summary))
+        _say(out, f"ratio of {summary.ref}: {_n(len(summary.rows), 'version')}, "
+                  f"{_size(summary.ref_logical_bytes)} logical / {_size(summary.ref_stored)} stored "
+                  f"(new stored and delta bases) = {_ratio(summary.ref_logical_bytes / summary.ref_stored if summary.ref_stored else None)}")
+        _say(out, f"ratio of the store: {_n(summary.kept_versions, 'version')} kept, "
+                  f"{_size(summary.kept_logical_bytes)} logical / {_size(summary.total)} under the store "
+                  f"= {_ratio(summary.ratio)}")
     if residuals:
         _say(err, "exact resume: the restore residual each newest version keeps (in new stored; gc "
                   "collects it once the version is no longer among the newest)")

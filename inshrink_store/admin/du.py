@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inshrink_store import residual
-from inshrink_store.admin.reachability import reachable, with_bases
+from inshrink_store.admin.reachability import Reachable, reachable, with_bases
 from inshrink_store.errors import FormatError, IntegrityError, NotFoundError
 from inshrink_store.layout import (
     OBJECTS,
@@ -87,15 +87,38 @@ class DuSummary:
     #: what no ref reaches, which the next ``gc`` deletes, and temp files of interrupted writes
     unreferenced: int
     rows: list[UsageRow] = field(default_factory=list, repr=False)
+    #: how many versions the store keeps (every branch's history, tags, older ref files: what a
+    #: plain gc keeps), and their logical bytes added up (what they hold decoded, each version
+    #: in full: the bytes a file per checkpoint would take)
+    kept_versions: int = 0
+    kept_logical_bytes: int = 0
 
     @property
     def total(self) -> int:
         return self.versions + self.delta_bases + self.other_refs + self.metadata + self.unreferenced
 
+    @property
+    def ratio(self) -> float:
+        """The whole store's ratio: logical bytes of every kept version / every byte under the
+        store (``total``), so it holds against the bytes on disk. Why not the rows' cumulative
+        ratio: it leaves out the delta bases they need, other refs' versions and documents."""
+        return self.kept_logical_bytes / self.total if self.total else math.inf
+
+    @property
+    def ref_stored(self) -> int:
+        """Bytes ``ref``'s versions need: the rows' new stored bytes and their delta bases."""
+        return self.versions + self.delta_bases
+
+    @property
+    def ref_logical_bytes(self) -> int:
+        return sum(r.logical_bytes for r in self.rows)
+
     def to_dict(self) -> dict[str, Any]:
         return {"ref": self.ref, "versions": self.versions, "delta_bases": self.delta_bases,
                 "other_refs": self.other_refs, "metadata": self.metadata,
-                "unreferenced": self.unreferenced, "total": self.total}
+                "unreferenced": self.unreferenced, "total": self.total,
+                "kept_versions": self.kept_versions, "kept_logical_bytes": self.kept_logical_bytes,
+                "ratio": None if math.isinf(self.ratio) else self.ratio}
 
 
 def du_summary(parts: StoreParts, ref: str) -> DuSummary:
@@ -103,12 +126,27 @@ def du_summary(parts: StoreParts, ref: str) -> DuSummary:
     sizes = parts.storage.list("")
     walked = _walk(parts, ref, "", sizes)
     bases = {object_path(oid) for oid in with_bases(parts, walked.deltas, strict=False)} - walked.paths
-    live = _live_paths(parts)
+    kept = reachable(parts, None, strict=False)  # du reports: it goes on where gc would stop
+    live = _live_paths(parts, kept)
     totals = dict.fromkeys(("versions", "delta_bases", "other_refs", "metadata", "unreferenced"), 0)
     for path, size in sizes.items():
         totals[_category(path, walked.paths, bases, live)] += size
     totals["unreferenced"] += sum(size for size, _mtime in parts.storage.temp_files().values())
-    return DuSummary(ref, rows=walked.rows, **totals)
+    return DuSummary(ref, rows=walked.rows, **totals, kept_versions=len(kept.snapshots),
+                     kept_logical_bytes=_logical_bytes(parts, kept.snapshots, walked.rows))
+
+
+def _logical_bytes(parts: StoreParts, snapshots: set[str], rows: list[UsageRow]) -> int:
+    """The logical bytes of ``snapshots`` added up (the rows' versions are already read)."""
+    known = {r.snapshot: r.logical_bytes for r in rows}
+    total = 0
+    for sid in sorted(snapshots):
+        if sid in known:
+            total += known[sid]
+            continue
+        with contextlib.suppress(IntegrityError, NotFoundError, FormatError):
+            total += sum(a.logical_bytes for a in parts.reader(parts.history.get(sid)).arrays().values())
+    return total
 
 
 def _category(path: str, counted: set[str], bases: set[str], live: set[str]) -> str:
@@ -125,9 +163,8 @@ def _category(path: str, counted: set[str], bases: set[str], live: set[str]) -> 
     return "metadata" if found[0] == SNAPSHOTS else "other_refs"
 
 
-def _live_paths(parts: StoreParts) -> set[str]:
+def _live_paths(parts: StoreParts, live: Reachable) -> set[str]:
     """The paths a plain gc keeps: what any ref reaches, delta bases and kept residuals included."""
-    live = reachable(parts, None, strict=False)  # du reports: it goes on where gc would stop
     return ({snapshot_path(sid) for sid in live.snapshots} | {tree_path(tid) for tid in live.trees}
             | {residual_path(rid) for rid in live.residuals}
             | {object_path(oid) for oid in with_bases(parts, live.objects, strict=False)})
