@@ -94,7 +94,9 @@ class InshrinkCallback(_TrainerCallback):
     ``url``: a path, ``memory://``, ``s3://`` or ``gs://`` URL (created if nothing is there),
     or an open :class:`~inshrink_store.Repository`. ``options`` are the
     :class:`~inshrink_store.torch.Checkpointer`'s keywords (``lossless=True``, ``eval_fn=``,
-    ``policy=``, ``max_to_keep=``, ``branch=``, ``exact_resume=``, ``background=``, ...),
+    ``policy=``, ``max_to_keep=``, ``branch=``, ``exact_resume=``, ``background=``,
+    ``on_busy=``, ...; with ``on_busy="skip"`` a save of the Trainer's that comes while the
+    previous one still runs is skipped, but the last save of ``train()`` is always taken),
     checked here, at construction, rather than when training starts. ``every`` defaults to
     the Trainer's ``save_steps`` with ``save_strategy="steps"``, so the gradient EMA that
     guides a compressed save's search runs only over the batches before each save (with
@@ -194,6 +196,8 @@ class InshrinkCallback(_TrainerCallback):
         extra = {"trainer_state": trainer_state}
         if callable(getattr(getattr(self.checkpointer.model, "config", None), "to_json_string", None)):
             extra["hf_config"] = config_json(self.checkpointer.model)   # for export --format hf
+        if state.max_steps and state.global_step >= state.max_steps:
+            self.checkpointer.wait()  # the run's last save is taken even with on_busy="skip"
         self.checkpointer.save(state.global_step, metrics=_metrics(state), extra=extra)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

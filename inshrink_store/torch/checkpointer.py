@@ -59,7 +59,7 @@ from inshrink_store.policy.search_policy import Decision, PolicyArgs
 from inshrink_store.refs import replaced_branch_name
 from inshrink_store.session import ANY_HEAD, AnyHead
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
-from inshrink_store.torch.checkpointer_options import CheckpointerOptions
+from inshrink_store.torch.checkpointer_options import CheckpointerOptions, OnBusy
 from inshrink_store.torch.extra_state import RNGState, _load_into, _state_of
 from inshrink_store.torch.optim import adam_hyper, param_paths
 from inshrink_store.torch.quantized_eval import _probe_similarity
@@ -181,6 +181,13 @@ class Checkpointer:
     from the stored weights against the saved weights' output (``metadata["probe"]``: mean
     and lowest cosine over the batch's samples and the relative error), and ``inshrink log``
     shows it. A check you can read, beside the tolerance ``eval_fn`` enforces.
+
+    ``on_busy``: what :meth:`save` does when the previous background save is still running.
+    ``"wait"`` (the default, as PyTorch DCP's ``async_save`` and Orbax do) blocks the loop
+    until it commits, then takes this checkpoint; ``"skip"`` does not take this checkpoint
+    (one warning names the step and the step still in flight; :attr:`skipped` lists them) and
+    returns at once, so the loop never waits for the store beyond the state copy. Needs
+    ``background=True``.
     """
 
     def __init__(self, repo: Repository, model: _torch.nn.Module, optimizer: _torch.optim.Optimizer | None = None,
@@ -190,13 +197,16 @@ class Checkpointer:
                  lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, extra_state: Mapping[str, Any] | None = None,
                  exact_resume: int = 1, closed_loop: bool = True, probe: Any = None,
-                 **legacy: Unpack[PolicyArgs]) -> None:
+                 on_busy: OnBusy = "wait", **legacy: Unpack[PolicyArgs]) -> None:
         options = CheckpointerOptions(  # raises what a bad keyword gets
             eval_fn=eval_fn, every=every, policy=policy, legacy=legacy, ema_batches=ema_batches, branch=branch,
             background=background, gc_wait=gc_wait, lossless=lossless, retention=retention,
             max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps, extra_state=extra_state,
-            exact_resume=exact_resume, closed_loop=closed_loop, probe=probe)
+            exact_resume=exact_resume, closed_loop=closed_loop, probe=probe, on_busy=on_busy)
         self.exact_resume, self.closed_loop, self.probe = exact_resume, closed_loop, probe
+        self.on_busy: OnBusy = on_busy
+        #: the steps whose :meth:`save` was skipped (``on_busy="skip"``: the previous save was running)
+        self.skipped: list[int] = []
         #: after :meth:`restore`: True when the state loaded is bit-exact (a restore residual
         #: or a lossless version), False when quantized tensors hold their stored values
         self.restored_exact: bool | None = None
@@ -220,6 +230,7 @@ class Checkpointer:
         self._checked_views = False  # the first save logs tensors that share memory as different views
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
         self._pending: Future[SnapshotInfo] | None = None
+        self._pending_step: int | None = None  # the step of the save in _pending
         self._closed = False
         # retention: the tags it asks for, after each commit (see retention.py)
         self._keeper = (None if self.retention is None else
@@ -290,9 +301,17 @@ class Checkpointer:
 
         ``extra``: nested state of this version (epoch, data-loader position, RNG states):
         dicts, lists and tuples of tensors, str, int, float, bool and None. :meth:`restore`
-        puts it in :attr:`extra`, next to the state of every ``extra_state`` object."""
+        puts it in :attr:`extra`, next to the state of every ``extra_state`` object.
+
+        While the previous background save is running, ``on_busy="wait"`` (the default) waits
+        for it to commit first; ``on_busy="skip"`` takes no checkpoint at all (nothing is
+        copied, nothing is written; the step goes into :attr:`skipped` and a warning names it)
+        and returns the running save's Future, whose result is the version of that earlier
+        step (compare ``result().step`` with ``step`` to tell a skipped save)."""
         self._check_open("save")
         self._raise_failure()
+        if self.on_busy == "skip" and self._pending is not None and not self._pending.done():
+            return self._skip(step, self._pending)
         self.wait()
         start = time.perf_counter()
         extras = self._extra_now(extra)
@@ -317,8 +336,15 @@ class Checkpointer:
         job = _Job(state, {}, kinds, eval_model, params, step, metrics, message, copy_s, staged, ema)
         if self._pool is None:
             return self._save(job)
-        self._pending = self._pool.submit(self._save, job)
+        self._pending, self._pending_step = self._pool.submit(self._save, job), step
         return self._pending
+
+    def _skip(self, step: int, running: Future[SnapshotInfo]) -> Future[SnapshotInfo]:
+        """``on_busy="skip"`` while ``running`` (the save of an earlier step) is in flight."""
+        self.skipped.append(step)
+        log.warning("checkpoint at step %s skipped (on_busy='skip'): the save of step %s is still running",
+                    step, self._pending_step)
+        return running
 
     def _extra_now(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         """The ``extra`` subtree of this save, checked in the loop's thread (no pickle)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from inshrink_store.errors import FormatError, InvalidInputError
 from inshrink_store.policy import SearchPolicy
@@ -28,7 +28,11 @@ from inshrink_store.torch.extra_state import _stateful
 from inshrink_store.torch.retention import Retention
 from inshrink_store.torch.tensors import torch
 
-__all__ = ["CheckpointerOptions"]
+__all__ = ["ON_BUSY", "CheckpointerOptions", "OnBusy"]
+
+#: what ``save`` does while the previous background save is still running
+OnBusy = Literal["wait", "skip"]
+ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +63,7 @@ class CheckpointerOptions:
     exact_resume: int = 1
     closed_loop: bool = True
     probe: Any = None
+    on_busy: OnBusy = "wait"
     #: ``retention=``, or the Retention ``max_to_keep=`` / ``keep_every_n_steps=`` make (None: no retention)
     resolved_retention: Retention | None = field(init=False)
     #: ``extra_state`` as a dict, every entry checked to give and take its state
@@ -69,6 +74,7 @@ class CheckpointerOptions:
     def __post_init__(self) -> None:
         self._check_search()
         self._check_versions()
+        self._check_on_busy()
         # frozen: the resolved fields are set once, here
         object.__setattr__(self, "resolved_retention",
                            _retention(self.retention, self.max_to_keep, self.keep_every_n_steps))
@@ -117,6 +123,19 @@ class CheckpointerOptions:
             raise InvalidInputError(
                 f"Expected probe to be a batch the model takes: a tensor, a tuple of them (model(*probe)) or a "
                 f"dict (model(**probe)). Got {type(probe).__name__} instead.")
+
+    def _check_on_busy(self) -> None:
+        """``on_busy``: one of :data:`ON_BUSY`; ``"skip"`` only where there is a background save
+        to be busy with."""
+        if not isinstance(self.on_busy, str) or self.on_busy not in ON_BUSY:
+            raise InvalidInputError(
+                f"Expected on_busy to be 'wait' (save waits for the previous background save to commit) or "
+                f"'skip' (save skips this checkpoint while one is running). Got {self.on_busy!r} instead.")
+        if self.on_busy == "skip" and not self.background:
+            raise InvalidInputError(
+                "Expected background=True with on_busy='skip'. Got background=False instead: a save that "
+                "commits in the loop's thread is never running when the next one starts, so there is nothing "
+                "to skip; drop on_busy, or leave background at its default (True).")
 
     def lossy_warning(self) -> str | None:
         """The warning a Checkpointer without ``eval_fn`` gives (its weights are stored lossy,
