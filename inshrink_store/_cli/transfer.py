@@ -211,7 +211,8 @@ def export(
         "generation and SentenceTransformer configs), never its weights; e.g. the folder the model was "
         "loaded from.")] = None,
 ) -> None:
-    """Write a version's model tensors to a .safetensors, .pt or .pth file, or with --format hf
+    """Write a version's model tensors (a Checkpointer's model/, a Lightning checkpoint's
+    state_dict; every tensor with --all) to a .safetensors, .pt or .pth file, or with --format hf
     to a folder from_pretrained loads (bit-exact for lossless versions, and with --exact for
     the newest versions of a Checkpointer's branch)."""
     if format_ is not None and format_ not in FORMAT_NAMES:

@@ -628,18 +628,32 @@ def _export_tensor(array: np.ndarray, name: str) -> Any:
     return array_to_tensor(array, name) if name in _BY_NAME else torch.from_numpy(np.array(array, order="C"))
 
 
+#: the parts of a saved state that hold the model's state dict, in the order looked for:
+#: ``model`` (the Checkpointer's, ``save_state(repo, {"model": ...})``) and ``state_dict``
+#: (a Lightning checkpoint's, as the Lightning plugin or ``inshrink import`` of a .ckpt stores it)
+MODEL_PARTS = ("model", "state_dict")
+
+
+def model_part(reader: Any) -> str | None:
+    """The top-level part of ``reader``'s version that holds the model's state dict (one of
+    :data:`MODEL_PARTS`), or None when the version has none (a flat ``repo.save``)."""
+    tops = _tops(reader)
+    return next((part for part in MODEL_PARTS if part + "/" in tops), None)
+
+
 def export_tensors(reader: Any, *, include_all: bool = False,
                    progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> dict[str, Any]:
     """What an export writes: the model tensors of a version under their state-dict names
-    (without ``model/``), or every tensor under its full path with ``include_all`` (or when
-    the version has no ``model/`` part); with the version's ``residual``, the exact bits."""
+    (without ``model/``, or a Lightning version's ``state_dict/``: :func:`model_part`), or
+    every tensor under its full path with ``include_all`` (or when the version has no model
+    part); with the version's ``residual``, the exact bits."""
     dtypes = reader.dtypes()
     names = reader.names()
-    model = [p for p in names if p.startswith("model/")]
-    chosen = names if include_all or not model else model
+    part = None if include_all else model_part(reader)
+    chosen = names if part is None else [p for p in names if p.startswith(part + "/")]
     tensors = {}
     for i, p in enumerate(chosen):
-        key = p[len("model/"):] if (p.startswith("model/") and not include_all) else p
+        key = p if part is None else p[len(part) + 1:]
         stored = reader.read(p)
         tensors[key] = _export_tensor(stored if residual is None else residual.exact(p, stored), dtypes[p])
         if progress:
@@ -649,7 +663,8 @@ def export_tensors(reader: Any, *, include_all: bool = False,
 
 def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
                        progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> int:
-    """Model tensors (names without the ``model/`` prefix) of a version to a safetensors file
+    """Model tensors (names without the ``model/`` or a Lightning version's ``state_dict/``
+    prefix: :func:`model_part`) of a version to a safetensors file
     (the exact bits with the version's ``residual``). With ``include_all``: every tensor under
     its stored path (safetensors is flat), the structure the paths came from as JSON in the
     file's metadata (``inshrink_structure``: the skeleton of docs/reference/names.md, scalars
@@ -669,15 +684,16 @@ def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all
 
 def export_state(reader: Any, *, include_all: bool = False,
                  progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> Any:
-    """What :func:`export_torch` writes: the model's state dict by state-dict key, or with
+    """What :func:`export_torch` writes: the model's state dict by state-dict key (a Lightning
+    version's ``state_dict``: :func:`model_part`), or with
     ``include_all`` the version's whole state as it was saved (``{"model": ..., "optimizer":
     ..., "extra": ...}``, optimizer state by parameter index as torch's ``load_state_dict``
     takes it), numpy arrays in it as tensors (torch.load(weights_only=True) reads no numpy).
     A version saved without structure (plain ``repo.save``) gives its tensors by stored path;
     the model's state dict keeps the order it was saved in."""
-    if reader.attributes.get(STRUCTURE_ATTR) is None or not (include_all or "model/" in _tops(reader)):
+    prefix = None if include_all else model_part(reader)
+    if reader.attributes.get(STRUCTURE_ATTR) is None or not (include_all or prefix):
         return export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
-    prefix = None if include_all else "model"
     return _numpy_as_tensors(reader_state(reader, prefix=prefix, residual=residual, progress=progress))
 
 
