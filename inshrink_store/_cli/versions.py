@@ -255,7 +255,7 @@ def show(
 
 def diff(
     url: str, ref_a: str, ref_b: str,
-    values: Annotated[bool, _flag("--values", help="Also read both versions: max abs and relative L2 change (integer, bool and byte tensors: whether their bytes changed).")] = False,
+    values: Annotated[bool, _flag("--values", help="Also read both versions: max abs and relative L2 change (equal infs and NaNs are no change, a value that becomes or stops being inf or NaN is inf; integer, bool and byte tensors: whether their bytes changed).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Tensors added, removed, changed and unchanged between two versions."""

@@ -114,20 +114,26 @@ def _bytes_differ(a: SnapshotReader, b: SnapshotReader, path: str) -> bool:
 
 
 def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tuple[float, float]:
-    """(max |b - a|, ||b - a|| / ||a||) over finite values; ``b`` None means b == a.
+    """(max |b - a|, ||b - a|| / ||a||); ``b`` None means b is a's very chunks: no change,
+    nothing read.
 
-    In float64, or complex128 where either side is complex: the modulus of the complex
-    difference, never the real part alone (a cast to float drops the imaginary part)."""
-    raw_a = a.read_float(path)
-    raw_b = raw_a if b is None else b.read_float(path)
+    Elements equal in both (an inf that stays the same inf, a NaN that stays NaN) change by 0;
+    an element that becomes or stops being inf or NaN (or flips the sign of an inf) changes
+    without bound, so both figures are inf. ``||a||`` is over a's finite values. In float64,
+    or complex128 where either side is complex: the modulus of the complex difference, never
+    the real part alone (a cast to float drops the imaginary part)."""
+    if b is None:
+        return 0.0, 0.0
+    raw_a, raw_b = a.read_float(path), b.read_float(path)
     wide = np.complex128 if np.iscomplexobj(raw_a) or np.iscomplexobj(raw_b) else np.float64
-    va = raw_a.astype(wide)
-    vb = va if b is None else raw_b.astype(wide)
+    va, vb = raw_a.astype(wide), raw_b.astype(wide)
     if va.size == 0:
         return 0.0, 0.0
-    delta = vb - va
-    finite = np.isfinite(delta)
-    max_abs = float(np.max(np.abs(delta[finite]))) if finite.any() else math.nan
+    same = (va == vb) | (np.isnan(va) & np.isnan(vb))
+    if not (np.isfinite(va[~same]).all() and np.isfinite(vb[~same]).all()):
+        return math.inf, math.inf
+    delta = np.abs(vb[~same] - va[~same])
+    max_abs = float(delta.max()) if delta.size else 0.0
     norm = float(np.linalg.norm(va[np.isfinite(va)]))
-    rel = float(np.linalg.norm(delta[finite]) / norm) if norm > 0 else (0.0 if max_abs == 0 else math.inf)
+    rel = float(np.linalg.norm(delta) / norm) if norm > 0 else (0.0 if max_abs == 0 else math.inf)
     return max_abs, rel
