@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
+import secrets
+import stat
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -611,11 +612,25 @@ def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],
 
 
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
-    """``write`` a temp file in ``path``'s folder, then rename it to ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
+    """``write`` a temp file in ``path``'s folder, then rename it to ``path``.
+
+    The file gets the mode a plain ``open()`` gives (0666 less the umask), as
+    ``save_pretrained``'s files have: not ``mkstemp``'s 0600, nor what ``write`` leaves
+    (safetensors writes 0600 too). The umask is read from the mode the temp file is created
+    with (``os.umask`` can only be read by setting it, which races with other threads)."""
+    folder = path.parent or Path(".")
+    while True:
+        tmp = str(folder / f"{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:  # another writer's name: draw again
+            continue
     try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        os.close(fd)
         write(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
