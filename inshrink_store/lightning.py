@@ -13,7 +13,8 @@ which exist, and resolves ``ckpt_path="last"`` by listing its folder. So each sa
   this IO wrote that no tag, other branch or the head keeps. Every version it did not write
   (a base model ``inshrink import`` put on the branch, your own ``repo.save``) is kept like a
   tag, and objects shared with kept versions stay (gc marks what is reachable);
-- writes a small JSON *pointer* file at the path (store, snapshot, tag): Lightning's own file
+- writes a small *pointer* file at the path (store, snapshot, tag: JSON in a ``torch.save`` file that
+  ``torch.load`` resolves through :func:`load_from_store`): Lightning's own file
   checks (``"last"``, ``-v1`` suffixes, ``save_last="link"``) then work as with torch files.
 
 Lightning is imported here only, never elsewhere in the package: ``pip install
@@ -24,11 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io as io_module
 import json
 import logging
 import os
+import pickletools
 import re
 import threading
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,11 +72,13 @@ _cloud = require("lightning.fabric.utilities.cloud_io", "lightning")
 
 log = logging.getLogger(__name__)
 
-__all__ = ["POINTER_FORMAT", "InshrinkCheckpointIO", "tag_for"]
+__all__ = ["POINTER_FORMAT", "InshrinkCheckpointIO", "load_from_store", "tag_for"]
 
 #: the ``format`` field of a pointer file, so a torch checkpoint is never mistaken for one
 POINTER_FORMAT = "inshrink-lightning-pointer/1"
 _POINTER_MAX_BYTES = 64 * 1024
+#: the call a pointer file holds, as the pickle's GLOBAL opcode names it
+_POINTER_GLOBAL = f"{__name__} load_from_store"
 _TAG_PREFIX = "ckpt-"
 
 
@@ -170,6 +176,42 @@ def _with_module_metadata(checkpoint: dict[str, Any], metadata: Any) -> dict[str
 
 
 # -- pointer files -------------------------------------------------------------------------------
+class _PointerCall:
+    """What a pointer file holds: pickled as the call ``load_from_store(pointer_json)``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return load_from_store, (self.text,)
+
+
+def load_from_store(pointer_json: str) -> dict[str, Any]:
+    """The checkpoint a pointer file names, read from its store: what ``torch.load`` of a
+    pointer file returns, so ``LightningModule.load_from_checkpoint(path)`` works on a path
+    the plugin saved (tensors on the CPU; Lightning moves the model where you ask).
+
+    Why a call: Lightning's ``load_from_checkpoint`` reads the file with ``torch.load`` itself,
+    bypassing the IO. A pointer file is a ``torch.save`` file whose one object is this call on
+    the pointer's JSON; importing this module allows it for ``torch.load(weights_only=True)``
+    (``torch.serialization.add_safe_globals``), and in a process that has not imported it,
+    torch's error names this function. It reads a store and decodes arrays; nothing else in
+    the file runs."""
+    pointer = _parse_pointer(pointer_json.encode(), "the pointer torch.load read")
+    io = InshrinkCheckpointIO(str(pointer.get("store")), branch=str(pointer.get("branch") or "main"))
+    try:
+        snapshot = io.repo.snapshot(str(pointer.get("snapshot"))).id
+    except (NotFoundError, InvalidInputError):
+        snapshot = io.repo.resolve(str(pointer.get("tag")))
+    return io._load(snapshot, None)
+
+
+def _pointer_bytes(pointer: Mapping[str, Any]) -> bytes:
+    buffer = io_module.BytesIO()
+    torch.save(_PointerCall(json.dumps(pointer, indent=1, sort_keys=True)), buffer)
+    return buffer.getvalue()
+
+
 def _write_pointer(path: Any, pointer: Mapping[str, Any]) -> None:
     """Write the pointer through a temporary name and a rename: never half a file."""
     fs = _cloud.get_filesystem(path)
@@ -179,8 +221,40 @@ def _write_pointer(path: Any, pointer: Mapping[str, Any]) -> None:
         fs.makedirs(folder, exist_ok=True)
     temporary = f"{target}.inshrink-tmp"
     with fs.open(temporary, "wb") as handle:
-        handle.write((json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode())
+        handle.write(_pointer_bytes(pointer))
     fs.mv(temporary, target)
+
+
+def _pointer_text(raw: bytes) -> bytes:
+    """The pointer's JSON in a pointer file: the whole file for a pointer of earlier releases,
+    else the one string of the call pickled in the ``torch.save`` zip, found by reading the
+    pickle's opcodes (nothing is unpickled). ``raw`` unchanged when it is neither."""
+    try:
+        with zipfile.ZipFile(io_module.BytesIO(raw)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            data = archive.read(names[0]) if len(names) == 1 else b""
+    except (zipfile.BadZipFile, OSError, ValueError, KeyError):
+        return raw
+    try:
+        ops = [(op.name, arg) for op, arg, _ in pickletools.genops(data)]
+    except (ValueError, EOFError):
+        return raw
+    calls = [name for name, arg in ops if name == "GLOBAL" and arg == _POINTER_GLOBAL]
+    texts = [arg for name, arg in ops if isinstance(arg, str) and name.endswith("UNICODE")]
+    return texts[0].encode() if calls and len(texts) == 1 else raw
+
+
+def _parse_pointer(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        pointer = json.loads(_pointer_text(raw)) if len(raw) <= _POINTER_MAX_BYTES else None
+    except (UnicodeDecodeError, ValueError):
+        pointer = None
+    if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
+        raise FormatError(
+            f"Expected {where} to be a checkpoint InshrinkCheckpointIO saved (a pointer file "
+            f"with format {POINTER_FORMAT!r}). Got another file there instead (a torch checkpoint?): load it "
+            "with Lightning's default CheckpointIO, or import it into the store with `inshrink import`.")
+    return pointer
 
 
 def _read_pointer(path: Any) -> dict[str, Any] | None:
@@ -192,16 +266,7 @@ def _read_pointer(path: Any) -> dict[str, Any] | None:
             raw = handle.read(_POINTER_MAX_BYTES + 1)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    try:
-        pointer = json.loads(raw) if len(raw) <= _POINTER_MAX_BYTES else None
-    except (UnicodeDecodeError, ValueError):
-        pointer = None
-    if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
-        raise FormatError(
-            f"Expected {os.fspath(path)!r} to be a checkpoint InshrinkCheckpointIO saved (a pointer file "
-            f"with format {POINTER_FORMAT!r}). Got another file there instead (a torch checkpoint?): load it "
-            "with Lightning's default CheckpointIO, or import it into the store with `inshrink import`.")
-    return pointer
+    return _parse_pointer(raw, repr(os.fspath(path)))
 
 
 def _remove_pointer(path: Any) -> None:
@@ -307,7 +372,9 @@ class InshrinkCheckpointIO(CheckpointIO):
                 f"Expected map_location to be None, a device string or a torch.device. Got "
                 f"{type(map_location).__name__} instead: tensors come back on the CPU with None, and "
                 "Lightning moves them to the model's device.")
-        snapshot = self.find(path)
+        return self._load(self.find(path), map_location)
+
+    def _load(self, snapshot: str, map_location: Any) -> dict[str, Any]:
         state = load_state(self.repo, snapshot, map_location=map_location)
         meta = self.repo.snapshot(snapshot).metadata.get("lightning", {})
         return _with_module_metadata(_decode(state), meta.get("state_dict_metadata"))
@@ -371,10 +438,12 @@ class InshrinkCheckpointIO(CheckpointIO):
                 message=commit.get("message") or _message(key, encoded), metrics=commit.get("metrics"),
                 metadata={"lightning": meta}, exact_resume=self.exact_resume)
             moved = self._retag(tag, info.id)
-            _write_pointer(path, {"format": POINTER_FORMAT, "store": self.repo.url, "branch": self.branch,
-                                  "snapshot": info.id, "tag": tag, "step": info.step,
+            _write_pointer(path, {"format": POINTER_FORMAT, "store": _store_url(self.repo.url),
+                                  "branch": self.branch, "snapshot": info.id, "tag": tag, "step": info.step,
                                   "note": "a checkpoint kept in an inshrink store: InshrinkCheckpointIO(store)"
-                                          ".load_checkpoint(this path) reads it"})
+                                          ".load_checkpoint(this path) reads it, and so do torch.load and "
+                                          "LightningModule.load_from_checkpoint where inshrink_store.lightning "
+                                          "is imported"})
             self._after_save(moved)
 
     def _after_save(self, moved: bool) -> None:
@@ -514,6 +583,15 @@ def _written_by_plugin(metadata: Mapping[str, Any]) -> bool:
     record = metadata.get("lightning")
     return (isinstance(record, Mapping) and isinstance(record.get("path"), str)
             and isinstance(record.get("tag"), str) and record["tag"].startswith(_TAG_PREFIX))
+
+
+def _store_url(url: str) -> str:
+    """The store's URL as a pointer names it: a local path made absolute, so a pointer read
+    from another working directory (``load_from_checkpoint`` in another script) finds it."""
+    return url if "://" in url else os.path.abspath(url)
+
+
+torch.serialization.add_safe_globals([load_from_store])  # torch.load(weights_only=True) of a pointer
 
 
 def _exact_resume(value: int | None, quantize: QuantConfig | None) -> int:
