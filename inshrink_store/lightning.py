@@ -55,7 +55,7 @@ from inshrink_store.errors import (
 )
 from inshrink_store.layout import branch_ref_path
 from inshrink_store.policy import QuantConfig, StatePlanner
-from inshrink_store.refs import check_name
+from inshrink_store.refs import Refs, check_name
 from inshrink_store.repository import Repository
 from inshrink_store.repository import open as open_repo
 from inshrink_store.residual import MAX_KEEP_NEWEST
@@ -432,8 +432,16 @@ class InshrinkCheckpointIO(CheckpointIO):
         if modules is not None:
             meta["state_dict_metadata"] = modules
         with self._lock:
+            head = self.repo._parts.refs.head(self.branch)
+            where: dict[str, Any] = {"branch": self.branch}
+            if head is not None and _is_last_save(encoded, key):
+                # a ref, not a version of the branch: on its own branch, off the branch head
+                where = {"branch": _side_branch(self.branch, tag), "parent": head[1], "expect_head": None}
+                meta["last_of"] = self.branch
+                with contextlib.suppress(NotFoundError):  # the previous last stays tagged until retagged
+                    self.repo.delete_branch(where["branch"])
             info = save_state(
-                self.repo, encoded, quantize=self._planner(), branch=self.branch,
+                self.repo, encoded, quantize=self._planner(), **where,
                 step=step if isinstance(step, int) and not isinstance(step, bool) else None,
                 message=commit.get("message") or _message(key, encoded), metrics=commit.get("metrics"),
                 metadata={"lightning": meta}, exact_resume=self.exact_resume)
@@ -464,6 +472,8 @@ class InshrinkCheckpointIO(CheckpointIO):
                 self.repo.delete_tag(tag)
             except NotFoundError:
                 log.debug("remove_checkpoint(%r): no tag %s", os.fspath(path), tag)
+            with contextlib.suppress(NotFoundError):  # a last.ckpt's side branch
+                self.repo.delete_branch(_side_branch(self.branch, tag))
             _remove_pointer(path)
             self._collect()
 
@@ -564,7 +574,23 @@ class _OnlyOwnCheckpointsCollected(_OtherBranchesKept):
                     if not ours:
                         kept.add(current)
                     current = parent
-        return {**{f"{sid} (not the plugin's)": sid for sid in kept}, **super().tags()}
+        return {**{f"{sid} (not the plugin's)": sid for sid in kept}, **self._other_branches()}
+
+    def _other_branches(self) -> dict[str, str]:
+        """:class:`_OtherBranchesKept`'s tags, but the plugin's side branches of ``last.ckpt``
+        versions (:func:`_side_branch`) keep their head only (as the gc's ``keep_last=1``
+        does), not their history: that is this branch's, whose removed checkpoints must go."""
+        kept: set[str] = set()
+        for name, seqs in self.branch_seqs().items():
+            if name == self._branch or _is_side_branch(name, self._branch):
+                continue
+            for seq in seqs:
+                try:
+                    start = self.read(branch_ref_path(name, seq))
+                except FileNotFoundError:
+                    continue  # deleted since the listing
+                self._walk(start, kept)
+        return {**{f"{sid} (another branch's)": sid for sid in kept}, **Refs.tags(self)}
 
     def _version(self, snapshot_id: str) -> tuple[bool, str | None] | None:
         """(written by the plugin, parent) of a version, or None where it is missing."""
@@ -583,6 +609,35 @@ def _written_by_plugin(metadata: Mapping[str, Any]) -> bool:
     record = metadata.get("lightning")
     return (isinstance(record, Mapping) and isinstance(record.get("path"), str)
             and isinstance(record.get("tag"), str) and record["tag"].startswith(_TAG_PREFIX))
+
+
+def _is_last_save(checkpoint: Mapping[str, Any], key: str) -> bool:
+    """Whether this save is a ``ModelCheckpoint``'s ``save_last``: a callback's state in the
+    checkpoint names ``key`` as its ``last_model_path`` (ModelCheckpoint sets it before it saves).
+
+    Why it matters: ``last.ckpt`` is saved again every epoch, right after the top-k file of
+    the same step. On the branch, each old ``last.ckpt`` the gc collects would cut the branch's
+    history there (``inshrink log`` listed 2 of 6 kept checkpoints); as a ref off the head, it
+    is a leaf that goes without taking any history along."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, Mapping):
+        return False
+    for state in callbacks.values():
+        last = state.get("last_model_path") if isinstance(state, Mapping) else None
+        if isinstance(last, str) and last and path_key(last) == key:
+            return True
+    return False
+
+
+def _side_branch(branch: str, tag: str) -> str:
+    """The branch that holds a ``last.ckpt`` version off ``branch``: named after its tag, so
+    the version keeps its restore residual (a branch head does; a tag alone does not)."""
+    name = f"{branch}.{tag}"
+    return check_name(name if len(name) <= 128 else f"{branch[:96]}.{tag[:10]}{tag[-13:]}", "branch")
+
+
+def _is_side_branch(name: str, branch: str) -> bool:
+    return name != branch and name.startswith((f"{branch}.{_TAG_PREFIX}", f"{branch[:96]}.{_TAG_PREFIX}"))
 
 
 def _store_url(url: str) -> str:
