@@ -61,7 +61,7 @@ from inshrink_store.session import ANY_HEAD, AnyHead
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions, OnBusy
 from inshrink_store.torch.extra_state import RNGState, _load_into, _state_of
-from inshrink_store.torch.optim import adam_hyper, param_paths
+from inshrink_store.torch.optim import adam_hyper, load_optimizer_state, param_paths
 from inshrink_store.torch.quantized_eval import _probe_similarity
 from inshrink_store.torch.quantized_eval import (
     _QuantizedEval as _QuantizedEval,  # dcp_checkpointer's import
@@ -412,7 +412,7 @@ class Checkpointer:
                 "leave those names out of extra_state for this restore.")
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"], f"{snapshot_id[:12]} (step {info.step})")
         for name, obj in self.extra_state.items():
             _load_into(obj, extras[name])
         self.extra = dict(extras)

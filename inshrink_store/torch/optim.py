@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from numbers import Real
 from typing import Any
 
+from inshrink_store.errors import InvalidInputError
 from inshrink_store.policy.moments import AdamHyper
 
 
@@ -52,3 +53,22 @@ def adam_hyper(optimizer_state: Any) -> dict[str, AdamHyper]:
 
 def _real(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def load_optimizer_state(optimizer: Any, state: Mapping[str, Any], version: str) -> None:
+    """``optimizer.load_state_dict(state)``, with the fix named when the shapes differ.
+
+    Why: torch's own error ("loaded state dict has a different number of parameter groups")
+    does not say which groups the version holds. A Hugging Face ``Trainer`` builds AdamW with
+    two groups (weights with decay, biases and norms without), so a version its callback
+    saved restores only into an optimizer built the same way."""
+    saved = [len(g.get("params", [])) for g in state.get("param_groups", []) if isinstance(g, Mapping)]
+    live = [len(g.get("params", [])) for g in getattr(optimizer, "param_groups", [])]
+    if saved != live:
+        raise InvalidInputError(
+            f"Expected an optimizer with the parameter groups of version {version} ({len(saved)} group(s) "
+            f"of {saved} parameters). Got {type(optimizer).__name__} with {len(live)} group(s) of {live} "
+            "instead; build it with the same groups as the run that saved it (a Hugging Face Trainer's "
+            "AdamW: trainer.create_optimizer(), or two groups, decay and no decay, in the Trainer's "
+            "order), or restore the model alone (Checkpointer without an optimizer).")
+    optimizer.load_state_dict(state)
