@@ -20,13 +20,19 @@ from typing import Any
 
 import numpy as np
 
+from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.estimate import estimated_bytes
 from inshrink_store.policy.moments import AdamHyper
-from inshrink_store.policy.partition import PartitionCache, StateQuantizer
+from inshrink_store.policy.partition import (
+    PartitionCache,
+    StateQuantizer,
+    TensorSample,
+    sample_index,
+)
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
@@ -94,13 +100,19 @@ class Candidates:
     :meth:`plans` quantizes a configuration (for an evaluation or the write) without
     encoding it; :meth:`measured_ratio` encodes one. ``keep`` PlanSets are held at once,
     least recently used evicted first; ratios are remembered for every configuration.
+    :meth:`predicted_error` is the error a budgeted search ranks by, relative to
+    ``reference`` (default: the tensors themselves; a closed-loop save passes the live weights,
+    so a residual's error and a keyframe's are on one scale) and weighted by ``error_weights``
+    (default: ``sensitivity``).
     """
 
     def __init__(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
                  previous: Mapping[str, dict[str, Any]], *, sensitivity: Mapping[str, np.ndarray] | None = None,
                  module_kinds: Mapping[str, str] | None = None, scope: str = "model/", keep: int = KEEP,
                  optimizer_params: Mapping[str, str] | None = None,
-                 optimizer_hyper: Mapping[str, AdamHyper] | None = None) -> None:
+                 optimizer_hyper: Mapping[str, AdamHyper] | None = None,
+                 reference: Mapping[str, np.ndarray] | None = None,
+                 error_weights: Mapping[str, np.ndarray] | None = None) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise FormatError(f"Expected keep to be an int >= 1 (PlanSets held at once). Got {keep!r} instead.")
         self.tensors, self.dtypes, self.previous = tensors, dtypes, previous
@@ -116,6 +128,10 @@ class Candidates:
         self._held: OrderedDict[QuantConfig, PlanSet] = OrderedDict()
         self._ratios: dict[QuantConfig, float] = {}
         self._measured: dict[QuantConfig, float] = {}
+        self.reference: Mapping[str, np.ndarray] = reference if reference is not None else tensors
+        self.error_weights: Mapping[str, np.ndarray] = (error_weights if error_weights is not None
+                                                        else self.sensitivity)
+        self._errors: dict[QuantConfig, float] = {}
 
     @property
     def metrics_available(self) -> tuple[str, ...]:
@@ -166,3 +182,39 @@ class Candidates:
             made = self.plans(config)
             self._measured[config] = ratio_of(self.estimator.logical_bytes, self.estimator.stored_bytes(made))
         return self._measured[config]
+
+    def predicted_error(self, config: QuantConfig) -> float:
+        """The weighted reconstruction error of ``config`` (nothing quantized; remembered): per
+        quantized tensor, on the same sample as :meth:`ratio` and its fresh codebook,
+        ``sum(w * (q - x)**2) / sum(w * r**2)`` (``q`` the stored value: the nearest centre,
+        0 where pruned, ``x`` where protected; ``r`` the reference, ``w`` the error weight,
+        1 without one), then the mean over tensors: every layer counts alike."""
+        if config not in self._errors:
+            quantizer = self.quantizer(config)
+
+            def one(path: str) -> float:
+                return _sample_error(quantizer.sample(path), quantizer.fresh_codebook(path),
+                                     self.reference.get(path), self.error_weights.get(path))
+
+            errors = map_in_order(one, quantizer.names, write_threads(), "inshrink-error")
+            self._errors[config] = float(np.mean(errors)) if errors else 0.0
+        return self._errors[config]
+
+
+def _sample_error(sample: TensorSample, codebook: np.ndarray, reference: np.ndarray | None,
+                  weights: np.ndarray | None) -> float:
+    """One tensor's relative squared error on its sample (see :meth:`Candidates.predicted_error`)."""
+    x = sample.values.astype(np.float64)
+    if x.size == 0:
+        return 0.0
+    centres = np.asarray(codebook, np.float64).astype(np.float32)
+    q = centres[nearest_index(sample.values, centres)].astype(np.float64)
+    q[sample.pruned] = 0.0
+    q[sample.protected] = x[sample.protected]
+    index = sample_index(sample.size)
+    r = x if reference is None else np.asarray(reference, np.float64).ravel()[index]
+    w = np.ones_like(x) if weights is None else np.abs(np.asarray(weights, np.float64).ravel()[index])
+    den = float(np.sum(w * r * r))
+    if den <= 0:
+        w, den = np.ones_like(x), float(np.sum(r * r))
+    return float(np.sum(w * (q - x) ** 2)) / den if den > 0 else 0.0

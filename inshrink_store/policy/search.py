@@ -33,6 +33,8 @@ keys as ``QuantConfig``'s search axes, so a caller builds its config from it.
 from __future__ import annotations
 
 import heapq
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -143,22 +145,66 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class Trial:
-    """One measured point; ``quality``/``feasible`` are None when only the ratio was measured."""
+    """One measured point; ``quality``/``feasible`` are None when only the ratio was measured.
+    A budgeted search (:func:`budgeted_search`) also records the point's predicted ``error``
+    (the weighted reconstruction error the predictor ranks by) and ``predicted``, the
+    relative quality drop its fit expected when the point was chosen (None: not evaluated, or
+    no fit yet)."""
 
     point: SearchPoint
     ratio: float
     quality: float | None = None
     feasible: bool | None = None
+    error: float | None = None
+    predicted: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"point": self.point.to_dict(), "ratio": self.ratio, "quality": self.quality,
+        data = {"point": self.point.to_dict(), "ratio": self.ratio, "quality": self.quality,
                 "feasible": self.feasible}
+        if self.error is not None:
+            data["error"] = self.error
+        if self.predicted is not None:
+            data["predicted"] = self.predicted
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trial:
         return cls(SearchPoint.from_dict(data["point"]), float(data["ratio"]),
                    None if data["quality"] is None else float(data["quality"]),
-                   None if data["feasible"] is None else bool(data["feasible"]))
+                   None if data["feasible"] is None else bool(data["feasible"]),
+                   None if data.get("error") is None else float(data["error"]),
+                   None if data.get("predicted") is None else float(data["predicted"]))
+
+
+@dataclass(frozen=True)
+class BudgetSpent:
+    """How one save's evaluation budget was spent, as of the end of this search.
+
+    ``kind``: ``"first"`` (no earlier evaluation in the run) or ``"later"``; ``max_evals`` /
+    ``max_seconds``: the budget (None: no limit); ``calls``: ``eval_fn`` calls of the save so
+    far, the unquantized baseline's included (``before``: those spent before this search, by a
+    closed-loop residual search that found nothing); ``seconds``: their wall time;
+    ``stopped``: why the search ended (``"converged"``: raising the threshold brought no
+    untried candidate that could beat the best confirmed one, ``"calls"`` / ``"seconds"``: the
+    budget ran out)."""
+
+    kind: str
+    max_evals: int | None
+    max_seconds: float | None
+    calls: int
+    before: int
+    seconds: float
+    stopped: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "max_evals": self.max_evals, "max_seconds": self.max_seconds,
+                "calls": self.calls, "before": self.before, "seconds": self.seconds, "stopped": self.stopped}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BudgetSpent:
+        return cls(str(data["kind"]), None if data["max_evals"] is None else int(data["max_evals"]),
+                   None if data["max_seconds"] is None else float(data["max_seconds"]), int(data["calls"]),
+                   int(data["before"]), float(data["seconds"]), str(data["stopped"]))
 
 
 @dataclass(frozen=True)
@@ -166,12 +212,14 @@ class SearchResult:
     """The chosen point (None: nothing feasible), every trial in order, and how it was found:
     ``"full"`` (no previous), ``"neighbourhood"``, ``"budget"`` (stopped when its evaluation
     budget was spent), ``"embeddings"`` (a second full search with 32 embedding levels after
-    nothing was feasible; see ``SearchPolicy``), or ``"fallback"`` (full search after an
-    infeasible neighbourhood)."""
+    nothing was feasible; see ``SearchPolicy``), ``"fallback"`` (full search after an
+    infeasible neighbourhood), or ``"predicted"`` (:func:`budgeted_search`; then ``budget``
+    says how the save's evaluation budget was spent)."""
 
     best: SearchPoint | None
     trials: list[Trial] = field(default_factory=list)
     mode: str = "full"
+    budget: BudgetSpent | None = None
 
     @property
     def evaluations(self) -> int:
@@ -179,13 +227,17 @@ class SearchResult:
         return sum(t.feasible is not None for t in self.trials)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"best": None if self.best is None else self.best.to_dict(), "mode": self.mode,
+        data = {"best": None if self.best is None else self.best.to_dict(), "mode": self.mode,
                 "evaluations": self.evaluations, "trials": [t.to_dict() for t in self.trials]}
+        if self.budget is not None:
+            data["budget"] = self.budget.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SearchResult:
         best = None if data["best"] is None else SearchPoint.from_dict(data["best"])
-        return cls(best, [Trial.from_dict(t) for t in data["trials"]], str(data["mode"]))
+        budget = None if data.get("budget") is None else BudgetSpent.from_dict(data["budget"])
+        return cls(best, [Trial.from_dict(t) for t in data["trials"]], str(data["mode"]), budget)
 
 
 def _le(a: Index, b: Index) -> bool:
@@ -264,8 +316,9 @@ def _diagonal(lo: Index, hi: Index) -> list[Index]:
             for d in range(steps + 1)]
 
 
-def _guided(ev: _Evaluator, metric: str) -> None:
-    """Best-first branch and bound over boxes of one metric's cube (see the module docstring)."""
+def _guided(ev: _Evaluator, metric: str, box: tuple[Index, Index] | None = None) -> None:
+    """Best-first branch and bound over boxes of one metric's cube (see the module docstring),
+    or of the sub-box ``box`` (its least and most aggressive corners)."""
     space = ev.space
     top = _index([n - 1 for n in space.shape])
     heap: list[tuple[float, Index, Index]] = []
@@ -273,7 +326,7 @@ def _guided(ev: _Evaluator, metric: str) -> None:
     def push(lo: Index, hi: Index) -> None:
         heapq.heappush(heap, (-ev.ratio(space.point(hi, metric)), lo, hi))
 
-    push((0, 0, 0), top)
+    push(*(box or ((0, 0, 0), top)))
     while heap:
         neg, lo, hi = heapq.heappop(heap)
         if -neg <= ev.best_ratio or not ev.feasible(lo, metric):
@@ -360,3 +413,221 @@ def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[
     except _OutOfBudgetError:
         return SearchResult(ev.best, ev.trials, "budget")
     return SearchResult(ev.best, ev.trials, mode)
+
+
+# -- the budgeted search -----------------------------------------------------------------------
+#
+# Evaluating a candidate (``eval_fn`` on the dequantized model) is what a save's search costs,
+# so a budgeted search ranks candidates by a cheap prediction and spends its few evaluations
+# confirming one. The prediction: each candidate's weighted reconstruction error ``E``
+# (estimated from the same sample of each tensor as its ratio; the caller's), and a fit of the
+# relative quality drop against ``E`` over the evaluations already made in the run (a line
+# through the origin, refitted after every evaluation). A candidate is predicted feasible
+# when ``E`` is under a threshold ``theta``; the candidate of ``theta`` is the highest-ratio
+# point with ``E <= theta`` (the branch and bound above, with ``E <= theta`` instead of an
+# evaluation). Only evaluated points are ever chosen.
+
+#: evaluations of the run the predictor fits (the newest; the model changes as it trains)
+PREDICTOR_WINDOW = 16
+#: how far the threshold moves past what was confirmed when the fit cannot say (a factor on E:
+#: about one step of the levels axis, whose squared error grows ~4x per halving)
+GROW = 4.0
+#: thresholds tried in a row that bring no untried candidate before the search calls it converged
+_IDLE = 6
+
+
+class QualityPredictor:
+    """The relative quality drop a candidate costs, predicted from its error ``E``: ``k * E``,
+    ``k`` fitted by least squares through the origin on the run's evaluations (drops below 0,
+    noise, count as 0). Deterministic: the same evaluations, the same predictions."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[float, float]] = []  # (E, relative drop), oldest first
+
+    def add(self, error: float, drop: float) -> None:
+        self.points.append((float(error), float(drop)))
+        del self.points[:-PREDICTOR_WINDOW]
+
+    @property
+    def slope(self) -> float | None:
+        """``k`` (None: no evaluation has shown a drop yet)."""
+        den = sum(e * e for e, _ in self.points)
+        num = sum(e * max(d, 0.0) for e, d in self.points)
+        return None if den <= 0 or num <= 0 else num / den
+
+    def predict(self, error: float) -> float | None:
+        k = self.slope
+        return None if k is None else k * error
+
+    def threshold(self, tolerance: float) -> float:
+        """The error at which the fit reaches ``tolerance`` (inf: no drop seen yet)."""
+        k = self.slope
+        return math.inf if k is None else tolerance / k
+
+    def bounds(self, tolerance: float) -> tuple[float, float]:
+        """(highest E that held, lowest E that did not) among the run's evaluations."""
+        held = [e for e, d in self.points if d <= tolerance]
+        broke = [e for e, d in self.points if d > tolerance]
+        return max(held, default=0.0), min(broke, default=math.inf)
+
+
+class SaveBudget:
+    """One save's ``eval_fn`` calls and seconds, shared by every search of that save (a
+    closed-loop residual search and the keyframe search after it, the wider-embeddings
+    retry) and by the unquantized baseline, which counts as a call. ``max_seconds`` is checked
+    before each call (wall clock: leave it None where decisions must repeat)."""
+
+    def __init__(self, max_evals: int | None, max_seconds: float | None = None, kind: str = "first") -> None:
+        self.max_evals, self.max_seconds, self.kind = max_evals, max_seconds, kind
+        self.calls, self.seconds = 0, 0.0
+        self.baseline: float | None = None  # the unquantized quality, evaluated once per save
+        #: calls kept back for a later search of the same save (the keyframes after residuals)
+        self.reserve = 0
+        self._start = time.perf_counter()
+
+    def stop_reason(self) -> str | None:
+        """Why no further call may start (None: one may)."""
+        if self.max_evals is not None and self.calls >= self.max_evals - self.reserve:
+            return "calls"
+        if self.max_seconds is not None and time.perf_counter() - self._start >= self.max_seconds:
+            return "seconds"
+        return None
+
+    def call(self, fn: Callable[[], float]) -> float:
+        """Run one ``eval_fn`` call and count it."""
+        t0 = time.perf_counter()
+        try:
+            return float(fn())
+        finally:
+            self.calls += 1
+            self.seconds += time.perf_counter() - t0
+
+    def spent(self, before: int, stopped: str) -> BudgetSpent:
+        return BudgetSpent(self.kind, self.max_evals, self.max_seconds, self.calls, before, self.seconds, stopped)
+
+
+def _box_around(space: SearchSpace, previous: SearchPoint) -> tuple[Index, Index]:
+    """The points at most one step from ``previous`` on each axis (either way)."""
+    p = space.index(previous)
+    return (_index([max(v - 1, 0) for v in p]),
+            _index([min(v + 1, n - 1) for v, n in zip(p, space.shape, strict=True)]))
+
+
+def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error: Callable[[SearchPoint], float],
+                    evaluate: Callable[[SearchPoint], tuple[bool, float, float]], *, predictor: QualityPredictor,
+                    tolerance: float, budget: SaveBudget, start_error: float, previous: HasSearchAxes | None = None,
+                    space: SearchSpace | None = None, metrics_available: Sequence[str] = METRICS) -> SearchResult:
+    """The highest-ratio point confirmed feasible within ``budget`` (None: none confirmed).
+
+    ``evaluate(point)`` runs ``eval_fn`` on the point's model and returns (within tolerance,
+    quality, relative drop); ``measure_error(point)`` is its predicted error ``E``. With an
+    empty ``predictor`` (the run's first search) the first threshold is ``start_error``; with
+    evaluations from earlier saves it is where the fitted line reaches the tolerance (at most
+    :data:`GROW` past the highest error that held), and the candidates are those within one
+    step of ``previous`` on each axis when given. Each evaluation refits the line: a confirmed
+    candidate moves the threshold up (the fit, or GROW past it), a refused one down into the
+    bracket (the safe fallback) and rules out every point at least as aggressive on the
+    cube's axes. When no untried candidate at the threshold can beat the best confirmed
+    ratio, the threshold rises by GROW (at most six times in a row). The result is the
+    best-ratio *evaluated* feasible point: a prediction alone never chooses.
+    """
+    space = space if space is not None else SearchSpace()
+    metrics = [m for m in space.metrics if m in metrics_available]
+    if not metrics:
+        raise FormatError(f"Expected metrics_available to share a metric with {space.metrics}. Got "
+                          f"{tuple(metrics_available)} instead. Pass ('magnitude',) at least.")
+    later = bool(predictor.points)
+    prev = None
+    if previous is not None:
+        prev = previous if isinstance(previous, SearchPoint) else SearchPoint.of(previous)
+    box = None if prev is None or not later else _box_around(space, prev)
+    ratios: dict[SearchPoint, float] = {}
+    errors: dict[SearchPoint, float] = {}
+    trials: dict[SearchPoint, Trial] = {}
+
+    def ratio(p: SearchPoint) -> float:
+        if p not in ratios:
+            ratios[p] = float(measure_ratio(p))
+        return ratios[p]
+
+    def error(p: SearchPoint) -> float:
+        if p not in errors:
+            errors[p] = float(measure_error(p))
+        return errors[p]
+
+    refused: dict[str, list[Index]] = {}
+
+    def allowed(p: SearchPoint, theta: float) -> bool:
+        """Predicted feasible at ``theta``, and not at least as aggressive as a refused point
+        (quality is monotone along the cube's axes: such a point is known to fail)."""
+        idx = space.index(p)
+        return error(p) <= theta and not any(_le(r, idx) for r in refused.get(p.prune_metric, ()))
+
+    def candidate(theta: float) -> SearchPoint | None:
+        """The highest-ratio point (of the box) predicted feasible at ``theta``."""
+        found: SearchPoint | None = None
+        for metric in metrics:
+            ev = _Evaluator(space, ratio, lambda p: (allowed(p, theta), 0.0))
+            _guided(ev, metric, box)
+            if ev.best is not None and (found is None or ev.best_ratio > ratio(found)):
+                found = ev.best
+        return found
+
+    def next_theta(lo: float, hi: float) -> float:
+        """Where the refitted line reaches the tolerance, when that is inside the bracket (and,
+        with nothing refused yet, at most GROW past the highest confirmed); else the
+        bracket's geometric middle, or GROW past / short of its one known side."""
+        fit = predictor.threshold(tolerance)
+        if math.isinf(hi):
+            return min(fit, lo * GROW) if lo < fit and lo > 0 else (lo * GROW if lo > 0 else start_error)
+        if lo < fit < hi:
+            return fit
+        return math.sqrt(lo * hi) if lo > 0 else hi / GROW
+
+    before = budget.calls
+    held_lo, held_hi = predictor.bounds(tolerance)
+    if later:  # the fit, inside what the run has seen hold and break, at most GROW past the held
+        theta = predictor.threshold(tolerance)
+        if held_hi < math.inf:
+            theta = min(theta, math.nextafter(held_hi, 0.0))
+        if held_lo > 0:
+            theta = min(max(theta, held_lo) if held_lo < held_hi else theta, held_lo * GROW)
+        if math.isinf(theta):
+            theta = start_error
+    else:
+        theta = start_error
+    corner = (0, 0, 0) if box is None else box[0]  # the least aggressive point searched
+    lo, hi = 0.0, math.inf  # this search's highest confirmed / lowest refused error
+    best: SearchPoint | None = None
+    stopped, idle = "converged", 0
+    while True:
+        reason = budget.stop_reason()
+        if reason is not None:
+            stopped = reason
+            break
+        c = candidate(theta)
+        if c is None or c in trials or (best is not None and ratio(c) <= ratio(best)):
+            idle += 1  # nothing untried that could beat the best at theta: raise it
+            if idle >= _IDLE:
+                break
+            if c is None:  # under every allowed point's error: from the least error there is
+                theta = max(theta * GROW, min(error(space.point(corner, m)) for m in metrics))
+            else:
+                theta *= GROW
+            continue
+        idle = 0
+        expected = predictor.predict(error(c))
+        ok, quality, drop = evaluate(c)
+        trials[c] = Trial(c, ratio(c), float(quality), bool(ok), error(c), expected)
+        predictor.add(error(c), drop)
+        if ok:
+            lo = max(lo, error(c))
+            if best is None or ratio(c) > ratio(best):
+                best = c
+            budget.reserve = 0  # kept back only for a later search in case this one found nothing
+        else:
+            hi = min(hi, error(c))
+            refused.setdefault(c.prune_metric, []).append(space.index(c))
+        theta = next_theta(lo, hi)
+    listed = [trials.get(p, Trial(p, r, error=errors.get(p))) for p, r in ratios.items()]
+    return SearchResult(best, listed, "predicted", budget.spent(before, stopped))

@@ -30,7 +30,15 @@ from inshrink_store.policy.config import DEFAULT_CONFIG, EMBEDDING_BINS, QuantCo
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPolicy, MomentRecord
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
-from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
+from inshrink_store.policy.search import (
+    QualityPredictor,
+    SaveBudget,
+    SearchPoint,
+    SearchResult,
+    SearchSpace,
+    budgeted_search,
+    search,
+)
 
 #: the caller's quality of the model with a candidate's values loaded (None: unquantized)
 Evaluate = Callable[[PlanSet | None], float]
@@ -61,6 +69,13 @@ MEASURE_WITHIN = 0.15
 #: the ``optimizer`` values that name a policy: Adam moments compressed (guarded) or lossless
 OPTIMIZER_POLICIES = ("compressed", "lossless")
 
+#: ``eval_fn`` calls a save may spend by default (the unquantized baseline's included): on the
+#: first save of a run, and on later ones (``SearchPolicy.max_evals``)
+MAX_EVALS = (8, 3)
+
+#: the relative drop a quality that is not a number counts as in the predictor's fit
+_NAN_DROP = 1.0
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -84,9 +99,20 @@ class SearchPolicy:
     default, ``"compressed"``: Adam's moments pruned with the weights and quantized, each
     tensor checked by the Adam update it drives), ``"lossless"`` or None (bit-exact), or any
     planner (e.g. ``StatePlanner(QuantConfig(...), scope="optimizer/")``, unchecked).
-    ``keep``: candidate PlanSets held at once. ``max_evaluations``: at most this many
-    ``eval_fn`` calls per checkpoint (None: no limit), for an expensive ``eval_fn``; the best
-    feasible configuration evaluated by then is stored (lossless if none was). ``resume_space`` replaces ``space`` for
+    ``keep``: candidate PlanSets held at once.
+
+    ``max_evals`` (e.g. :data:`MAX_EVALS`, ``(8, 3)``; default None, for now: see
+    docs/understanding/search.md, "A search with a budget"): the ``eval_fn`` calls one save
+    may spend, the unquantized baseline's included, on the first save of a run and on later
+    ones (an int sets both). Candidates are ranked by a predictor of their quality drop (their
+    weighted reconstruction error, fitted to the run's evaluations:
+    :func:`~inshrink_store.policy.search.budgeted_search`) and only a confirmed one is
+    stored: when the budget runs out first, the best configuration confirmed so far, else the
+    model lossless. ``max_seconds``: also stop starting ``eval_fn`` calls once the save's
+    search has run this long (wall clock; None: no limit). ``max_evals=None`` runs the
+    exhaustive search (about 20-40 calls on a first save), whose cap is
+    ``max_evaluations``: at most this many candidate evaluations per checkpoint (None: no
+    limit); setting ``max_evaluations`` selects that search too. ``resume_space`` replaces ``space`` for
     versions a restart loads as stored (:meth:`resuming`; the Checkpointer with
     ``exact_resume=0``): see :data:`RESUME_SPACE`.
 
@@ -106,8 +132,23 @@ class SearchPolicy:
     resume_space: SearchSpace = field(default_factory=lambda: RESUME_SPACE)
     max_evaluations: int | None = None
     allocation_ratios: tuple[float, ...] | None = None
+    max_evals: int | tuple[int, int] | None = None
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
+        evals = self.max_evals
+        if evals is not None:
+            pair = (evals, evals) if isinstance(evals, int) and not isinstance(evals, bool) else evals
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 2 for n in pair)):
+                raise FormatError(
+                    "Expected max_evals an int >= 2 or a pair (first save, later saves) of them (eval_fn calls "
+                    f"per save, the baseline's included), or None (the exhaustive search) in SearchPolicy. Got "
+                    f"{evals!r} instead.")
+            object.__setattr__(self, "max_evals", (int(pair[0]), int(pair[1])))
+        secs = self.max_seconds
+        if secs is not None and not (isinstance(secs, Real) and not isinstance(secs, bool) and secs > 0):
+            raise FormatError(f"Expected max_seconds a number > 0 or None in SearchPolicy. Got {secs!r} instead.")
         if self.allocation_ratios is not None:
             ratios = self.allocation_ratios
             if not isinstance(ratios, (tuple, list)) or not ratios or not all(
@@ -185,13 +226,43 @@ class SearchPolicy:
             return dataclasses.replace(self.base, embedding_bins=previous.embedding_bins)
         return self.base
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether :meth:`decide` runs the budgeted search (else the exhaustive one)."""
+        return self.max_evals is not None and self.max_evaluations is None and self.allocation_ratios is None
+
+    def save_budget(self, first: bool) -> SaveBudget:
+        """A new save's budget: ``max_evals``' first or later count, and ``max_seconds``."""
+        evals = self.max_evals
+        count = None if not isinstance(evals, tuple) else evals[0 if first else 1]
+        return SaveBudget(count, self.max_seconds, "first" if first else "later")
+
+    def drop(self, quality: float, baseline: float) -> float:
+        """The relative quality drop (worse direction positive) the predictor fits."""
+        change = (baseline - quality) if self.higher_is_better else (quality - baseline)
+        value = change / abs(baseline) if baseline else change
+        return value if math.isfinite(value) else _NAN_DROP
+
+    def recall(self, record: QuantizationRecord, predictor: QualityPredictor) -> None:
+        """Feed ``predictor`` the evaluations a stored version's record kept (after a restore,
+        so the next save continues the run's fit instead of searching afresh)."""
+        search_ = record.search
+        if search_ is None or record.baseline_quality is None:
+            return
+        for t in search_.trials:
+            if t.error is not None and t.quality is not None:
+                predictor.add(t.error, self.drop(t.quality, record.baseline_quality))
+
     def decide(self, candidates: Candidates, evaluate: Evaluate | None,
-               previous: QuantConfig | None = None) -> Decision:
+               previous: QuantConfig | None = None, *, budget: SaveBudget | None = None,
+               predictor: QualityPredictor | None = None) -> Decision:
         """Search (when there is ``evaluate``) and return what to write.
 
         Without ``evaluate`` the base configuration is stored. With it, nothing within
         tolerance stores the model lossless (the record's config is None). ``previous``
-        (the parent version's configuration) starts the neighbourhood search."""
+        (the parent version's configuration) starts the neighbourhood search. ``budget``
+        (one save's, shared by its searches; made here from ``max_evals`` when None) and
+        ``predictor`` (the run's evaluations; a new one when None) serve the budgeted search."""
         if self.allocation_ratios is not None and evaluate is not None:
             return self._decide_allocation(candidates, evaluate)
         baseline: float | None = None
@@ -199,12 +270,24 @@ class SearchPolicy:
         if evaluate is None:
             chosen: QuantConfig | None = self.base
         else:
-            baseline = float(evaluate(None))
+            predictor = predictor if predictor is not None else QualityPredictor()
+            budget = budget if budget is not None else self.save_budget(previous is None and not predictor.points)
+            if budget.baseline is None:
+                budget.baseline = budget.call(lambda: evaluate(None))
+            baseline = budget.baseline
             base = self.base_after(previous)
-            result = self._search(candidates, evaluate, baseline, previous, base)
+            if self.budgeted:
+                result = self._budgeted(candidates, evaluate, baseline, previous, base, budget, predictor)
+            else:
+                result = self._search(candidates, _counted(evaluate, budget), baseline, previous, base)
             wider = self._wider_embeddings(candidates, base)
-            if result.best is None and wider is not None:
-                result, base = self._search_again(candidates, evaluate, baseline, result, wider), wider
+            if result.best is None and wider is not None and budget.stop_reason() is None:
+                if self.budgeted:
+                    again = self._budgeted(candidates, evaluate, baseline, None, wider, budget, predictor)
+                    result = SearchResult(again.best, [*result.trials, *again.trials], "embeddings", again.budget)
+                else:
+                    result = self._search_again(candidates, _counted(evaluate, budget), baseline, result, wider)
+                base = wider
             chosen = None if result.best is None else self.config(result.best, base)
         model = candidates.plans(chosen) if chosen is not None else None
         plans, moments = self._with_optimizer(model, candidates)
@@ -262,6 +345,26 @@ class SearchPolicy:
         budget = self.max_evaluations if max_evaluations is None else max_evaluations
         result = search(measure_ratio, is_feasible, previous=previous, space=self.space,
                         metrics_available=candidates.metrics_available, max_evaluations=budget)
+        return self._measured_choice(candidates, result, base)
+
+    def _budgeted(self, candidates: Candidates, evaluate: Evaluate, baseline: float, previous: QuantConfig | None,
+                  base: QuantConfig, budget: SaveBudget, predictor: QualityPredictor) -> SearchResult:
+        def measure_ratio(point: SearchPoint) -> float:
+            return candidates.ratio(self.config(point, base))
+
+        def measure_error(point: SearchPoint) -> float:
+            return candidates.predicted_error(self.config(point, base))
+
+        def run(point: SearchPoint) -> tuple[bool, float, float]:
+            plans = candidates.plans(self.config(point, base))
+            quality = budget.call(lambda: evaluate(plans))
+            return self.within(quality, baseline), quality, self.drop(quality, baseline)
+
+        on_axes = previous is not None and _on_axes(self.space, SearchPoint.of(previous))
+        result = budgeted_search(measure_ratio, measure_error, run, predictor=predictor, tolerance=self.tolerance,
+                                 budget=budget, start_error=candidates.predicted_error(base),
+                                 previous=previous if on_axes else None, space=self.space,
+                                 metrics_available=candidates.metrics_available)
         return self._measured_choice(candidates, result, base)
 
     def _measured_choice(self, candidates: Candidates, result: SearchResult, base: QuantConfig) -> SearchResult:
@@ -325,3 +428,16 @@ class SearchPolicy:
                 assert not isinstance(self.optimizer, str)  # names became policies in __post_init__
                 plans = plans.with_plans(self.optimizer.plan(tensors, candidates.dtypes, candidates.previous))
         return (plans if len(plans) else None), moments
+
+
+def _counted(evaluate: Evaluate, budget: SaveBudget) -> Evaluate:
+    """``evaluate`` with each call counted in ``budget`` (the exhaustive search's calls)."""
+    return lambda plans: budget.call(lambda: evaluate(plans))
+
+
+def _on_axes(space: SearchSpace, point: SearchPoint) -> bool:
+    try:
+        space.index(point)
+    except FormatError:
+        return False
+    return True

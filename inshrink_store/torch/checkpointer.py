@@ -54,7 +54,13 @@ from inshrink_store.policy import (
     SearchPolicy,
 )
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
-from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
+from inshrink_store.policy.search import (
+    QualityPredictor,
+    SaveBudget,
+    SearchPoint,
+    SearchResult,
+    SearchSpace,
+)
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
 from inshrink_store.refs import replaced_branch_name
 from inshrink_store.session import ANY_HEAD, AnyHead
@@ -240,6 +246,9 @@ class Checkpointer:
         self._gc = GcWorker(repo, branch, None if self.retention is None else self.retention.max_to_keep,
                             background=background and (self.retention is not None or exact_resume > 0))
         self.last_search: SearchResult | None = None
+        #: the run's evaluations (predicted error, quality drop) that rank a budgeted search's
+        #: candidates; refilled from the restored version's record by restore()
+        self._predictor = QualityPredictor()
         self._told_skipped = False  # the "optimizer state is not Adam-shaped" line is logged once
         #: per saved version, wall seconds: ``copy_s`` (the loop's copy), ``search_s`` (deciding
         #: what to store, ``eval_fn`` included), ``eval_s`` and ``evaluations`` (``eval_fn``'s share
@@ -420,7 +429,11 @@ class Checkpointer:
         if self._keeper is not None:
             self._keeper.restored()
         recorded = info.metadata.get("quantization")
-        self._previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
+        record = None if recorded is None else QuantizationRecord.from_dict(recorded)
+        self._previous = None if record is None else record.config
+        self._predictor = QualityPredictor()
+        if record is not None:
+            self.policy.recall(record, self._predictor)  # the next save continues the run's fit
         self._ema.clear()
         return info.step
 
@@ -453,15 +466,19 @@ class Checkpointer:
                                                          higher_is_better=self.policy.higher_is_better))
         else:
             loop = self._closed_loop(arrays, parent) if self.closed_loop else None
-            decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent)
+            # one budget for the whole save: residuals keep a call back for the keyframes
+            budget = self.policy.save_budget(first=self._previous is None and not self._predictor.points)
+            budget.reserve = 1 if loop is not None and loop.bases else 0
+            decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent, budget)
             if loop is not None and loop.bases and decision.record.config is None \
                     and decision.record.search is not None:
                 # no residual met the tolerance (the parents' reconstructions used up the
-                # tolerance): keyframes, searched afresh, before a lossless version
+                # tolerance): keyframes, within what is left of the save's budget, before a
+                # lossless version
                 log.info("checkpoint at step %s: no closed-loop residual within tolerance; searching keyframes",
                          job.step)
-                spent = evaluate
-                decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes(), parent)
+                spent, budget.reserve = evaluate, 0
+                decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes(), parent, budget)
                 if evaluate is not None and spent is not None:
                     evaluate.calls, evaluate.seconds = evaluate.calls + spent.calls, evaluate.seconds + spent.seconds
         t_search = time.perf_counter() - t0
@@ -533,7 +550,7 @@ class Checkpointer:
                 "(restore('main') forks it), or call restore() to continue from the new head.")
 
     def _decide(self, job: _Job, arrays: dict[str, Any], dtypes: dict[str, str], loop: ClosedLoop | None,
-                parent: str | None) -> tuple[Decision, Any, _QuantizedEval | None]:
+                parent: str | None, budget: SaveBudget) -> tuple[Decision, Any, _QuantizedEval | None]:
         """The search of one save: its decision, the plans to write (closed-loop ones when
         ``loop`` codes the weights) and the evaluator it used (None without ``eval_fn``)."""
         searched = arrays if loop is None else loop.search_arrays(arrays)
@@ -544,7 +561,10 @@ class Checkpointer:
         params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
         candidates = Candidates(searched, dtypes, self._previous_codecs(parent), sensitivity=sensitivity,
                                 module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
-                                optimizer_hyper=adam_hyper(job.state.get("optimizer")))
+                                optimizer_hyper=adam_hyper(job.state.get("optimizer")),
+                                # errors on one scale for residuals and keyframes: against the live
+                                # weights, weighted by sensitivity wherever it was observed
+                                reference=arrays, error_weights=job.sensitivity)
         evaluate = None
         if self.eval_fn is not None and job.eval_model is not None:
             evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
@@ -567,7 +587,7 @@ class Checkpointer:
         same = policy.space == came_from and _on_axes(policy.space, self._previous)
         previous = self._previous if same else None
         self._previous_space = policy.space
-        decision = policy.decide(candidates, evaluate, previous=previous)
+        decision = policy.decide(candidates, evaluate, previous=previous, budget=budget, predictor=self._predictor)
         plans: Any = decision.plans
         if loop is not None and decision.plans is not None:
             plans = loop.plans(decision.plans, arrays)

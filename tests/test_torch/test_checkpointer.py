@@ -62,8 +62,9 @@ def test_chosen_configuration_is_within_tolerance_and_never_more_aggressive_late
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
     tolerance = 0.02
-    ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), tolerance=tolerance,
-                      space=SMALL_SPACE)
+    # the exhaustive search (max_evals=None), whose modes and neighbourhood rule this checks
+    exhaustive = ins.policy.SearchPolicy(tolerance=tolerance, space=SMALL_SPACE, max_evals=None)
+    ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), policy=exhaustive)
     configs = []
     for step in (20, 40, 60):
         _train(model, opt, x, y, 20, ck)
@@ -153,7 +154,8 @@ def test_restore_in_a_new_process_continues_the_chain(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
-    with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE) as ck:
+    exhaustive = ins.policy.SearchPolicy(space=SMALL_SPACE, max_evals=None)  # its modes are checked below
+    with Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, x, y), policy=exhaustive) as ck:
         _train(model, opt, x, y, 10, ck)
         ck.save(10)
         saved_opt = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
@@ -163,7 +165,7 @@ def test_restore_in_a_new_process_continues_the_chain(tmp_path: Path) -> None:
 
     _, _, model2, opt2 = _problem(seed=1)
     repo2 = ins.open(url)
-    with Checkpointer(repo2, model2, opt2, eval_fn=lambda m: _accuracy(m, x, y), space=SMALL_SPACE) as ck2:
+    with Checkpointer(repo2, model2, opt2, eval_fn=lambda m: _accuracy(m, x, y), policy=exhaustive) as ck2:
         assert ck2.restore(older) == 10
         stored = load_state(repo2, older)
         for k, v in stored["model"].items():
@@ -553,7 +555,8 @@ def test_after_a_restore_residuals_start_from_the_restored_point_only_when_it_wa
 
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
-    anything = ins.policy.SearchPolicy(tolerance=0.5)  # every point is within tolerance
+    # every point is within tolerance; the exhaustive search, whose modes tell where it started
+    anything = ins.policy.SearchPolicy(tolerance=0.5, max_evals=None)
 
     def checkpointer() -> Checkpointer:
         return Checkpointer(repo, model, opt, eval_fn=lambda m: 1.0, policy=anything, background=False)
