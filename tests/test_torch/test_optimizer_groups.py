@@ -39,9 +39,10 @@ def test_restoring_into_other_parameter_groups_names_both_shapes_and_the_fix(mem
     url = _saved(memory_url)
     model = _model()
     one_group = torch.optim.AdamW(model.parameters())
-    with Checkpointer(ins.open(url), model, one_group, lossless=True) as ck:
-        with pytest.raises(InvalidInputError, match=r"2 group\(s\) of \[2, 4\].*1 group\(s\) of \[6\].*create_optimizer"):
-            ck.restore()
+    expected = r"2 group\(s\) of \[2, 4\].*1 group\(s\) of \[6\].*create_optimizer"
+    with Checkpointer(ins.open(url), model, one_group, lossless=True) as ck, \
+            pytest.raises(InvalidInputError, match=expected):
+        ck.restore()
 
 
 def test_the_same_groups_restore(memory_url: str) -> None:
