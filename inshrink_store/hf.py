@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 from inshrink_store.errors import InvalidInputError, NotFoundError, require
 from inshrink_store.repository import open as open_repository
 from inshrink_store.torch import Checkpointer, RNGState, config_json, load_state, save_safetensors
+from inshrink_store.torch.checkpointer_options import CheckpointerOptions
 
 transformers = require("transformers", "hf")
 require("accelerate", "hf")  # the Trainer's own dependency: refused without it, name our extra
@@ -83,8 +84,6 @@ __all__ = ["TRAINER_STATE", "InshrinkCallback"]
 #: where a version keeps the Trainer's state (the JSON text of ``trainer_state.json``)
 TRAINER_STATE = "extra/trainer_state"
 _RESERVED = ("scheduler", "rng", "trainer_state", "hf_config")
-#: the Checkpointer keywords the callback sets itself (from the Trainer's objects)
-_OWN = ("repo", "model", "optimizer")
 _POLICY_KEYWORDS = ("tolerance", "higher_is_better", "space", "optimizer_policy")
 
 
@@ -245,10 +244,10 @@ class _Resume:
 
 
 def _check_options(options: Mapping[str, Any]) -> None:
-    """Refuse a keyword the Checkpointer would refuse, now rather than at train time."""
-    import inspect
-
-    known = set(inspect.signature(Checkpointer).parameters) - {"legacy", *_OWN}
+    """Refuse what the Checkpointer would refuse, now rather than at train time: an unknown
+    keyword, one of the callback's own names, and every bad value or combination, through
+    the Checkpointer's own checks (:class:`~inshrink_store.torch.checkpointer_options.CheckpointerOptions`)."""
+    known = {f.name for f in dataclasses.fields(CheckpointerOptions) if f.init} - {"legacy"}
     unknown = sorted(set(options) - known - set(_POLICY_KEYWORDS))
     if unknown:
         raise InvalidInputError(
@@ -260,6 +259,9 @@ def _check_options(options: Mapping[str, Any]) -> None:
             f"Expected extra_state names other than {list(_RESERVED)}. Got {clash} instead; the callback "
             "stores the scheduler, the RNG states, the Trainer's state and the model's config under those "
             "names: rename yours.")
+    legacy = {name: value for name, value in options.items() if name in _POLICY_KEYWORDS}
+    given = {name: value for name, value in options.items() if name not in _POLICY_KEYWORDS}
+    CheckpointerOptions(legacy=legacy, **given)   # raises what Checkpointer(...) would raise
 
 
 def _is_repository(url: Any) -> bool:

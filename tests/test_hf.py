@@ -157,6 +157,29 @@ def test_options_are_checked_at_construction(tmp_path: Path) -> None:
         InshrinkCallback(f"memory://hf-opts-{tmp_path.name}", extra_state={"rng": object()})
 
 
+def test_bad_option_combinations_are_refused_when_the_callback_is_made(tmp_path: Path) -> None:
+    """Issue 43, item 5: the Checkpointer's own checks, at construction, not at train time."""
+    from inshrink_store.errors import FormatError
+    from inshrink_store.torch import Retention
+
+    url = f"memory://hf-combos-{tmp_path.name}"
+    with pytest.raises(InvalidInputError, match="lossless=True alone"):
+        InshrinkCallback(url, lossless=True, eval_fn=lambda model: 0.0)
+    with pytest.raises(InvalidInputError, match="lossless=True alone"):
+        InshrinkCallback(url, lossless=True, tolerance=0.01)
+    with pytest.raises(InvalidInputError, match="background=True with on_busy='skip'"):
+        InshrinkCallback(url, on_busy="skip", background=False)
+    with pytest.raises(InvalidInputError, match="exact_resume"):
+        InshrinkCallback(url, exact_resume=-1)
+    with pytest.raises(InvalidInputError, match="retention=Retention"):
+        InshrinkCallback(url, retention=Retention(max_to_keep=2), max_to_keep=3)
+    with pytest.raises(FormatError, match="every"):
+        InshrinkCallback(url, every="often")
+    with pytest.raises(InvalidInputError, match="extra_state"):
+        InshrinkCallback(url, extra_state={"mine": object()})   # gives no state
+    InshrinkCallback(url, lossless=True, max_to_keep=2, on_busy="skip")   # a good combination passes
+
+
 def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)   # import transformers -> ImportError
     monkeypatch.delitem(sys.modules, "inshrink_store.hf")
