@@ -184,10 +184,8 @@ def test_a_compressed_version_exports_its_stored_values_and_with_exact_the_saved
         vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
         max_position_embeddings=16)).eval()
     url = str(tmp_path / "store")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no eval_fn: the default configuration, said by a warning
-        ck = Checkpointer(ins.open(url, create=True), model, background=False)
-    with ck:
+    with Checkpointer(ins.open(url, create=True), model, background=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no eval_fn: the default configuration, said by the first save
         ck.save(1, extra={"hf_config": config_json(model)})
     assert any(a.storage == "quantized" for a in ins.open(url).checkout("main").arrays().values())
 

@@ -255,9 +255,8 @@ class Checkpointer:
         #: and its calls, the unquantized baseline's one included), ``total_s`` (copy to commit).
         #: Wall, not CPU: the search runs on its own thread and the writer's, beside training.
         self.timings: list[dict[str, float]] = []
-        warning = options.lossy_warning()
-        if warning is not None:
-            warnings.warn(warning, stacklevel=2)
+        #: said with the first save (a Checkpointer that only restores stores nothing lossy)
+        self._lossy_warning: str | None = options.lossy_warning()
 
     @property
     def last_gc(self) -> Any:
@@ -319,6 +318,9 @@ class Checkpointer:
         step (compare ``result().step`` with ``step`` to tell a skipped save)."""
         self._check_open("save")
         self._raise_failure()
+        warning, self._lossy_warning = self._lossy_warning, None
+        if warning is not None:
+            warnings.warn(warning, stacklevel=2)
         if self.on_busy == "skip" and self._pending is not None and not self._pending.done():
             return self._skip(step, self._pending)
         self.wait()

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,8 @@ from tests.conftest import S3_BUCKET
 from tests.test_repository._clock import FakeClock
 
 torch = pytest.importorskip("torch")
+# Checkpointer "b" has no eval_fn on purpose: its first save says so (issue 43, item 8)
+pytestmark = pytest.mark.filterwarnings("ignore:Checkpointer has no eval_fn:UserWarning")
 
 BRANCHES = ("main", "dev", "exp")
 TAGS = ("t0", "t1", "t2")
@@ -204,10 +205,9 @@ class FaultMachine(RuleBasedStateMachine):
         self.nets = {"a": torch.nn.Linear(12, 6), "b": torch.nn.Linear(32, 16)}
         self.cks["a"] = Checkpointer(self.repo, self.nets["a"], lossless=True, max_to_keep=2, background=False,
                                      gc_wait=GC_WAIT, branch="main")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "no eval_fn: weights stored lossy" is the point
-            self.cks["b"] = Checkpointer(self.repo, self.nets["b"], max_to_keep=3, background=False,
-                                         gc_wait=GC_WAIT, branch="run", exact_resume=1)
+        # no eval_fn: "weights stored lossy" is the point (the module's pytestmark quiets it)
+        self.cks["b"] = Checkpointer(self.repo, self.nets["b"], max_to_keep=3, background=False,
+                                     gc_wait=GC_WAIT, branch="run", exact_resume=1)
 
     # -- helpers ----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -64,10 +64,9 @@ def test_the_checkpointer_keeps_the_residual_of_an_unchanged_state(memory_url: s
     repo = ins.open(memory_url, create=True)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    with pytest.warns(UserWarning, match="no eval_fn"):
-        ck = Checkpointer(repo, model, eval_fn=None, background=False, max_to_keep=1, exact_resume=2)
-    with ck:
-        ck.save(1)
+    with Checkpointer(repo, model, eval_fn=None, background=False, max_to_keep=1, exact_resume=2) as ck:
+        with pytest.warns(UserWarning, match="no eval_fn"):   # with the first save
+            ck.save(1)
         ck.save(2)
     repo = ins.open(memory_url)
     head = repo.snapshot("main")

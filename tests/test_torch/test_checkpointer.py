@@ -110,13 +110,33 @@ def test_nothing_feasible_stores_the_checkpoint_lossless(url: str) -> None:
         assert torch.equal(state["model"][k], v), k
 
 
+def test_restore_only_checkpointer_is_quiet_and_the_first_save_warns_once(url: str) -> None:
+    """Issue 43, item 8: a Checkpointer that only restores stores nothing, lossy or not."""
+    x, y, model, opt = _problem()
+    repo = ins.open(url, create=True)
+    with Checkpointer(repo, model, opt, lossless=True, background=False) as ck:
+        ck.save(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(repo, model, opt) as restorer:   # no eval_fn, restore only
+            assert restorer.restore() == 1
+    with Checkpointer(repo, model, opt, background=False) as ck:
+        with pytest.warns(UserWarning, match="no eval_fn") as caught:
+            ck.save(2)
+        assert len([w for w in caught if "no eval_fn" in str(w.message)]) == 1
+        assert caught[0].filename == __file__, "the warning points at the caller's save()"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.save(3)   # said once
+
+
 def test_without_eval_fn_warns_and_uses_the_default(url: str) -> None:
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
-    with pytest.warns(UserWarning, match="no eval_fn"):
-        ck = Checkpointer(repo, model, opt)
+    ck = Checkpointer(repo, model, opt)   # quiet: the warning comes with the first save
     _train(model, opt, x, y, 3, ck)
-    ck.save(3)
+    with pytest.warns(UserWarning, match="no eval_fn"):
+        ck.save(3)
     info = ck.wait()
     ck.close()
     assert QuantConfig.from_dict(info.metadata["quantization"]["config"]) == DEFAULT_CONFIG
@@ -127,10 +147,10 @@ def test_background_failure_surfaces_on_the_next_call_and_loses_nothing(url: str
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
+    ck = Checkpointer(repo, model, opt)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ck = Checkpointer(repo, model, opt)
-    ck.save(1)
+        warnings.simplefilter("ignore")   # no eval_fn: said by the first save
+        ck.save(1)
     first = ck.wait()
 
     def broken(*args: Any, **kwargs: Any) -> Any:
@@ -227,11 +247,11 @@ def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCap
 
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
+    # no restore residual: its gc after each commit would be a second gc beside the test's
+    ck = Checkpointer(repo, model, opt, gc_wait=60, exact_resume=0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # no restore residual: its gc after each commit would be a second gc beside the test's
-        ck = Checkpointer(repo, model, opt, gc_wait=60, exact_resume=0)
-    ck.save(1)
+        warnings.simplefilter("ignore")   # no eval_fn: said by the first save
+        ck.save(1)
     first = ck.wait()
     gc = repo.garbage_collector()
     gc.start()  # a gc holds the store for ~1.5 s
@@ -375,8 +395,8 @@ def test_the_warning_says_what_is_lossy_and_lossless_true_keeps_everything_exact
 
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
-    with pytest.warns(UserWarning) as caught:
-        Checkpointer(repo, model, opt).close()
+    with Checkpointer(repo, model, opt) as ck, pytest.warns(UserWarning) as caught:
+        ck.save(1)   # said with the first save
     text = str(caught[0].message)
     for part in ("model weights are stored lossy", "16 levels", "no pruning", "0.5% protected",
                  "Adam moments compressed", "lossless=True"):

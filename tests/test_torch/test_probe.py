@@ -28,9 +28,9 @@ def test_each_version_records_its_output_against_the_live_models(lossless: bool)
     url = f"memory://probe-{uuid.uuid4().hex}"
     model = _model()
     kwargs: dict[str, Any] = {"lossless": True} if lossless else {"tolerance": 0.05}
+    ck = Checkpointer(ins.open(url, create=True), model, background=False, probe=X, **kwargs)
     with pytest.warns(UserWarning) if not lossless else nullcontext():
-        ck = Checkpointer(ins.open(url, create=True), model, background=False, probe=X, **kwargs)
-    ck.save(1)
+        ck.save(1)
     ck.close()
     record = ins.open(url).log()[0].metadata["probe"]
     if lossless:
@@ -55,9 +55,9 @@ def test_inshrink_log_shows_the_probe_column() -> None:
     from inshrink_store._cli import app
 
     url = f"memory://probe-{uuid.uuid4().hex}"
+    ck = Checkpointer(ins.open(url, create=True), _model(), background=False, probe=(X,))
     with pytest.warns(UserWarning):
-        ck = Checkpointer(ins.open(url, create=True), _model(), background=False, probe=(X,))
-    ck.save(1)
+        ck.save(1)
     ck.close()
     result = CliRunner().invoke(app, ["log", url])
     assert result.exit_code == 0, result.output
