@@ -404,7 +404,7 @@ def _base_planes(base: Any, base_hash: int, n: int, itemsize: int, flags: int) -
         )
     if base_data.size != n * itemsize:
         raise FormatError(f"Expected a base of {n * itemsize} bytes. Got {base_data.size} instead.")
-    return split_planes(sign_last(base_data, itemsize) if flags & FLAG_SIGN_LAST else base_data, itemsize)
+    return byte_planes(base_data, itemsize, bool(flags & FLAG_SIGN_LAST))  # split_planes(sign_last(...)), one pass
 
 
 def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | None = None) -> np.ndarray:
