@@ -35,7 +35,11 @@ RNG states at the very point where the Trainer would have loaded its ``rng_state
 first ``on_epoch_begin`` for a version saved at the end of an epoch, else the first
 ``on_step_begin``, once the batches to skip are drawn). The folder is deleted as soon as
 the Trainer has read it. ``resume_path()`` returns None while the branch has no version,
-so one script serves the first start and every restart.
+so one script serves the first start and every restart. ``train(resume_from_checkpoint=True)``
+works too: the callback, made with the Trainer (``on_init_end``), writes the same folder for
+the branch's newest version as ``output_dir/checkpoint-N``, where the Trainer looks for its
+newest checkpoint (and, like the Trainer, a run with no version to resume from raises); the
+folder goes when ``train()`` starts, read or not.
 
 **What a resume gives back.** With ``lossless=True``, and with the default compressed
 mode resuming from the branch's newest version (its restore residual, ``exact_resume=1``),
@@ -61,7 +65,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +89,7 @@ __all__ = ["TRAINER_STATE", "InshrinkCallback"]
 #: where a version keeps the Trainer's state (the JSON text of ``trainer_state.json``)
 TRAINER_STATE = "extra/trainer_state"
 _RESERVED = ("scheduler", "rng", "trainer_state", "hf_config")
+_CHECKPOINT_PREFIX = "checkpoint-"   # the Trainer's folders: output_dir/checkpoint-<global step>
 _POLICY_KEYWORDS = ("tolerance", "higher_is_better", "space", "optimizer_policy")
 
 
@@ -124,13 +130,21 @@ class InshrinkCallback(_TrainerCallback):
         rest of the state comes from the store (module docstring). ``ref``: a branch, tag,
         snapshot id or ``"main~2"``; None is the head of the callback's branch, and then a
         branch without versions returns None (a fresh start). A save of this callback still
-        in flight is committed first, so the head is the newest version."""
+        in flight is committed first, so the head is the newest version. For the head,
+        ``train(resume_from_checkpoint=True)`` does the same (:meth:`on_init_end`)."""
         self.close()
         snapshot_id = self._resolve(ref)
         if snapshot_id is None:
             return None
+        return self._arm(snapshot_id, lambda step: tempfile.mkdtemp(prefix="inshrink-resume-", dir=tmp_dir),
+                         auto=False)
+
+    def _arm(self, snapshot_id: str, make_folder: Callable[[int | None], str], *, auto: bool) -> str:
+        """Write the resume folder of ``snapshot_id`` (``make_folder(step)`` makes it) and
+        arm the callback with it; an earlier armed folder goes."""
         trainer_state = _trainer_state_json(self.repo, snapshot_id)
-        folder = tempfile.mkdtemp(prefix="inshrink-resume-", dir=tmp_dir)
+        step = json.loads(trainer_state).get("global_step")
+        folder = make_folder(step)
         try:
             with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
                 f.write(trainer_state)
@@ -140,8 +154,9 @@ class InshrinkCallback(_TrainerCallback):
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self._drop_folder()
-        step = json.loads(trainer_state).get("global_step")
-        self._resume = _Resume(snapshot_id, folder, step)
+        # a folder the Trainer never reads goes when the callback does (or at exit)
+        self._resume = _Resume(snapshot_id, folder, step, auto,
+                               weakref.finalize(self, shutil.rmtree, folder, True))
         log.info("resume from %s (step %s) through %s", snapshot_id[:12], step, folder)
         return folder
 
@@ -152,12 +167,41 @@ class InshrinkCallback(_TrainerCallback):
         return None if head is None else str(head)
 
     # -- the Trainer's events --------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Made with the Trainer (``callbacks=[callback]``): put the newest version where
+        ``train(resume_from_checkpoint=True)`` looks, a ``checkpoint-N`` folder in
+        ``output_dir`` (N its global step), unless :meth:`resume_path` armed the callback
+        already or a folder of that name is there (the Trainer's own: it resumes from that).
+        The folder goes when ``train()`` starts, read or not (a ``train()`` without
+        ``resume_from_checkpoint`` starts afresh, as the Trainer's does)."""
+        if self._resume is not None:
+            return
+        head = self._resolve(None)
+        if head is None:
+            return
+
+        def make_folder(step: int | None) -> str:
+            folder = os.path.join(args.output_dir, f"{_CHECKPOINT_PREFIX}{step}")
+            if step is None or os.path.lexists(folder):
+                raise FileExistsError(folder)
+            os.makedirs(folder)
+            return folder
+
+        try:
+            self._arm(head, make_folder, auto=True)
+        except (NotFoundError, FileExistsError) as exc:   # not the callback's version, or a folder there
+            log.info("no resume folder for resume_from_checkpoint=True: %s", exc)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Make this run's Checkpointer; when armed by :meth:`resume_path`, restore model,
         optimizer and scheduler now and keep the RNG states for the Trainer's RNG point."""
         _single_process(args)
         self.close()
         resume, self._resume = self._resume, None
+        if resume is not None and resume.auto and state.global_step != resume.step:
+            # on_init_end's folder, not read: train() started afresh (or from another folder)
+            resume.cleanup()
+            resume = None
         if resume is None:
             self.checkpointer = self._checkpointer(args, state, kwargs)
             return
@@ -166,7 +210,7 @@ class InshrinkCallback(_TrainerCallback):
             self.checkpointer = self._checkpointer(args, state, kwargs)
             self.checkpointer.restore(resume.snapshot_id)
         finally:
-            shutil.rmtree(resume.folder, ignore_errors=True)
+            resume.cleanup()
         self._rng = self.checkpointer.extra["rng"]
         # the Trainer loads its RNG file before drawing an epoch's order when it resumes at
         # an epoch boundary (or skips no data), and after drawing the batches to skip otherwise
@@ -228,9 +272,9 @@ class InshrinkCallback(_TrainerCallback):
             RNGState().load_state_dict(rng)
 
     def _drop_folder(self) -> None:
-        """An earlier resume_path() the Trainer never read: its folder goes now."""
+        """An earlier resume folder the Trainer never read goes now."""
         if self._resume is not None:
-            shutil.rmtree(self._resume.folder, ignore_errors=True)
+            self._resume.cleanup()
             self._resume = None
 
 
@@ -241,6 +285,10 @@ class _Resume:
     snapshot_id: str
     folder: str
     step: int | None
+    #: made by on_init_end for resume_from_checkpoint=True (else by resume_path())
+    auto: bool
+    #: deletes the folder (now, or when the callback is collected or the process exits)
+    cleanup: weakref.finalize[..., Any]
 
 
 def _check_options(options: Mapping[str, Any]) -> None:

@@ -140,6 +140,28 @@ def test_compressed_resume_from_newest_version_is_bit_exact(tmp_path: Path, unin
     assert folder is not None and not os.path.exists(folder)
 
 
+def test_resume_from_checkpoint_true_resumes_from_the_newest_version(tmp_path: Path, uninterrupted: Any) -> None:
+    """Issue 43, item 11: ``train(resume_from_checkpoint=True)``, as with the Trainer's own
+    folders: the callback, made with the Trainer, puts the newest version where the Trainer
+    looks (a ``checkpoint-N`` folder in ``output_dir``, gone once read)."""
+    url = f"memory://hf-true-{tmp_path.name}"
+    crash(tmp_path / "a", InshrinkCallback(url, lossless=True), at=7)   # saved steps 2, 4 and 6
+    callback = InshrinkCallback(url, lossless=True)
+    resumed = make_trainer(tmp_path / "b", [callback])
+    resumed.train(resume_from_checkpoint=True)                        # from step 6 to the end
+    assert same_weights(resumed, uninterrupted)
+    assert losses(resumed) == losses(uninterrupted)
+    assert "checkpoint-6" not in os.listdir(tmp_path / "b"), "the folder goes once the Trainer has read it"
+    assert ins.open(url).log()[0].step == 8
+
+    fresh = InshrinkCallback(url, lossless=True)                      # a store with versions, no resume:
+    trainer = make_trainer(tmp_path / "c", [fresh])
+    assert os.listdir(tmp_path / "c") == ["checkpoint-8"]
+    trainer.train()                                                   # a fresh start, as the Trainer's
+    assert same_weights(trainer, uninterrupted)
+    assert fresh.checkpointer is not None and fresh.checkpointer.restored_exact is None   # nothing restored
+
+
 def test_resume_path_without_a_version_or_trainer_state(tmp_path: Path) -> None:
     callback = InshrinkCallback(f"memory://hf-empty-{tmp_path.name}")
     assert callback.resume_path() is None                   # a fresh start: train(resume_from_checkpoint=None)
