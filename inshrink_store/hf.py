@@ -51,9 +51,22 @@ compressed store from an older version loads its stored values (quantized weight
 the policy's tolerance, moments checked by the update they drive): training goes on from
 there, close to but not bit-identical with the uninterrupted run.
 
+**The Trainer's own folders.** The callback takes the Trainer's saves: when the Trainer's
+``DefaultFlowCallback`` sets ``control.should_save`` (``on_step_end``, ``on_epoch_end``),
+the callback clears it, so the Trainer writes no ``checkpoint-N`` folder, and saves the
+version where the Trainer's ``_save_checkpoint`` would have: after that step's log
+(``on_log``) and evaluation (``on_evaluate``), with the ``TrainerControl`` state put into
+the stateful callbacks as the Trainer does, so the version's ``trainer_state.json`` is the
+one the Trainer writes. Other callbacks' ``on_save`` is not called for those saves. Where
+the Trainer needs its folders, the callback leaves the saves to it (each is still a version,
+in ``on_save``) and ``on_init_end`` (or ``on_train_begin``) warns why: best-model tracking
+(``load_best_model_at_end``, ``save_strategy="best"``, ``metric_for_best_model``, whose best
+metric the Trainer updates after ``on_evaluate``), ``push_to_hub`` (it uploads the folders),
+and stateful callbacks other than the ``TrainerControl`` (their state is stored by the
+Trainer, out of a callback's reach). ``total_flos`` in a version is as of the step's log.
+
 Single process only: a distributed Trainer (``world_size > 1``) is refused; use
-:class:`~inshrink_store.torch.DistributedCheckpointer` there. The Trainer still writes its
-own ``checkpoint-N`` folders beside the store (``save_total_limit`` trims them).
+:class:`~inshrink_store.torch.DistributedCheckpointer` there.
 """
 
 from __future__ import annotations
@@ -65,6 +78,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from numbers import Real
@@ -89,6 +103,7 @@ __all__ = ["TRAINER_STATE", "InshrinkCallback"]
 #: where a version keeps the Trainer's state (the JSON text of ``trainer_state.json``)
 TRAINER_STATE = "extra/trainer_state"
 _RESERVED = ("scheduler", "rng", "trainer_state", "hf_config")
+_CONTROL = "TrainerControl"   # its state is one of the Trainer's stateful callbacks
 _CHECKPOINT_PREFIX = "checkpoint-"   # the Trainer's folders: output_dir/checkpoint-<global step>
 _POLICY_KEYWORDS = ("tolerance", "higher_is_better", "space", "optimizer_policy")
 
@@ -121,6 +136,9 @@ class InshrinkCallback(_TrainerCallback):
         self._resume: _Resume | None = None
         self._rng: Mapping[str, Any] | None = None  # RNG states still to restore
         self._rng_at_epoch = False
+        #: why the Trainer keeps its own saves and folders (None: the callback takes them)
+        self._trainer_saves: str | None = None
+        self._due: str | None = None   # a save taken from the Trainer, made at this event ("log", "evaluate")
 
     # -- resuming ------------------------------------------------------------------------
     def resume_path(self, ref: str | None = None, *, tmp_dir: str | None = None) -> str | None:
@@ -168,12 +186,16 @@ class InshrinkCallback(_TrainerCallback):
 
     # -- the Trainer's events --------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Made with the Trainer (``callbacks=[callback]``): put the newest version where
+        """Made with the Trainer (``callbacks=[callback]``): check whether the callback can take
+        the Trainer's saves (a warning says why not: :meth:`on_step_end`), and put the newest version where
         ``train(resume_from_checkpoint=True)`` looks, a ``checkpoint-N`` folder in
         ``output_dir`` (N its global step), unless :meth:`resume_path` armed the callback
         already or a folder of that name is there (the Trainer's own: it resumes from that).
         The folder goes when ``train()`` starts, read or not (a ``train()`` without
         ``resume_from_checkpoint`` starts afresh, as the Trainer's does)."""
+        self._trainer_saves = _why_the_trainer_saves(args)
+        if self._trainer_saves is not None:
+            _warn_trainer_saves(args, self._trainer_saves)
         if self._resume is not None:
             return
         head = self._resolve(None)
@@ -197,6 +219,11 @@ class InshrinkCallback(_TrainerCallback):
         optimizer and scheduler now and keep the RNG states for the Trainer's RNG point."""
         _single_process(args)
         self.close()
+        self._due = None
+        if self._trainer_saves is None:   # also when added after the Trainer was made
+            self._trainer_saves = _why_the_trainer_saves(args, state)
+            if self._trainer_saves is not None:
+                _warn_trainer_saves(args, self._trainer_saves)
         resume, self._resume = self._resume, None
         if resume is not None and resume.auto and state.global_step != resume.step:
             # on_init_end's folder, not read: train() started afresh (or from another folder)
@@ -218,11 +245,33 @@ class InshrinkCallback(_TrainerCallback):
         self._rng_at_epoch = bool(args.ignore_data_skip) or epoch.is_integer()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._late_save(state, control)
         if self._rng_at_epoch:
             self._restore_rng()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._late_save(state, control)
         self._restore_rng()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Take the save the Trainer is about to make (``control.should_save``, set by its
+        ``DefaultFlowCallback``, which runs first): the Trainer writes no ``checkpoint-N``
+        folder, and the callback saves the version at the point the Trainer would have saved,
+        after this step's log (:meth:`on_log`) and evaluation (:meth:`on_evaluate`), so the
+        version carries their numbers. Not when best-model tracking or ``push_to_hub`` needs
+        the Trainer's folders (:meth:`on_init_end` warned): then :meth:`on_save` saves."""
+        self._take_save(state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._take_save(state, control)
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._due == "log":
+            self._save_taken(state, control)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._due == "evaluate":
+            self._save_taken(state, control)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Feed the gradient EMA of a compressed store's search (a no-op when lossless)."""
@@ -230,7 +279,43 @@ class InshrinkCallback(_TrainerCallback):
             self.checkpointer.observe_gradients()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """One version per save of the Trainer (committed in the background by default)."""
+        """One version per save the Trainer made itself (committed in the background by default)."""
+        self._save(state)
+
+    def _take_save(self, state: Any, control: Any) -> None:
+        self._late_save(state, control)
+        if not control.should_save or self._trainer_saves is not None:
+            return
+        control.should_save = False   # the Trainer writes no folder; the callback saves
+        if control.should_evaluate:
+            self._due = "evaluate"
+        elif control.should_log and not _logged(state):
+            self._due = "log"
+        else:
+            self._save_taken(state, control)
+
+    def _save_taken(self, state: Any, control: Any) -> None:
+        """The save the Trainer's ``_save_checkpoint`` would have made: the state of its
+        ``TrainerControl`` goes into the stateful callbacks first, as the Trainer does."""
+        self._due = None
+        control_state = control.state()
+        control_state["args"]["should_save"] = True   # as when the Trainer saves
+        stored = state.stateful_callbacks.get(_CONTROL)
+        if isinstance(stored, list):
+            stored.append(control_state)
+        else:
+            state.stateful_callbacks[_CONTROL] = control_state
+        self._save(state)
+
+    def _late_save(self, state: Any, control: Any) -> None:
+        """A taken save whose log or evaluation never came (another callback changed the
+        control after this one): saved now rather than lost."""
+        if self._due is not None:
+            log.warning("InshrinkCallback: the save of step %s expected a %s that did not come; saving now",
+                        state.global_step, self._due)
+            self._save_taken(state, control)
+
+    def _save(self, state: Any) -> None:
         if self.checkpointer is None:
             raise InvalidInputError(
                 "Expected on_train_begin before on_save. Got a save outside trainer.train() instead; "
@@ -245,6 +330,7 @@ class InshrinkCallback(_TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Wait for the last save: ``train()`` returns with every version committed."""
+        self._late_save(state, control)
         self.close()
 
     def close(self) -> None:
@@ -289,6 +375,35 @@ class _Resume:
     auto: bool
     #: deletes the folder (now, or when the callback is collected or the process exits)
     cleanup: weakref.finalize[..., Any]
+
+
+def _why_the_trainer_saves(args: Any, state: Any = None) -> str | None:
+    """Why the Trainer must keep its own saves and ``checkpoint-N`` folders, or None."""
+    if getattr(args, "load_best_model_at_end", False):
+        return "load_best_model_at_end=True loads the best of those folders when training ends"
+    if getattr(args, "save_strategy", None) == "best":   # a str enum
+        return 'save_strategy="best" decides each save after the Trainer\'s own best-metric check'
+    if getattr(args, "metric_for_best_model", None) is not None:
+        return "metric_for_best_model tracks the best checkpoint as one of those folders"
+    if getattr(args, "push_to_hub", False):
+        return "push_to_hub=True uploads those folders"
+    others = sorted(set(getattr(state, "stateful_callbacks", None) or {}) - {_CONTROL})
+    if others:
+        return (f"the Trainer stores the state of {others} with each of its saves, which a callback cannot "
+                "read")
+    return None
+
+
+def _warn_trainer_saves(args: Any, reason: str) -> None:
+    warnings.warn(
+        f"InshrinkCallback cannot take the Trainer's saves: {reason}. The Trainer keeps writing its own "
+        f"checkpoint-N folders in {args.output_dir} (each save is still a version of the store); "
+        "save_only_model=True leaves their optimizer out and save_total_limit=1 keeps one.", stacklevel=3)
+
+
+def _logged(state: Any) -> bool:
+    """The Trainer logged the training loss of this step already (it logs a step once)."""
+    return any(entry.get("step") == state.global_step and "loss" in entry for entry in state.log_history)
 
 
 def _check_options(options: Mapping[str, Any]) -> None:

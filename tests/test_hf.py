@@ -162,6 +162,82 @@ def test_resume_from_checkpoint_true_resumes_from_the_newest_version(tmp_path: P
     assert fresh.checkpointer is not None and fresh.checkpointer.restored_exact is None   # nothing restored
 
 
+def checkpoint_folders(out: Path) -> list[str]:
+    return sorted(name for name in os.listdir(out) if name.startswith("checkpoint-")) if out.exists() else []
+
+
+def test_the_trainer_writes_no_checkpoint_folders_and_a_killed_run_resumes_bit_exact(
+        tmp_path: Path, uninterrupted: Any) -> None:
+    """Issue 43 (HF deliverable): the callback takes the Trainer's saves (after the step's log
+    and evaluation, as the Trainer's own save), so no checkpoint-N folder is written; the
+    version's trainer_state.json is the one the Trainer writes, and a run killed and resumed
+    is the uninterrupted run."""
+    url = f"memory://hf-nofolders-{tmp_path.name}"
+    crash(tmp_path / "a", InshrinkCallback(url, lossless=True), at=5)   # saved steps 2 and 4
+    assert checkpoint_folders(tmp_path / "a") == []
+    callback = InshrinkCallback(url, lossless=True)
+    resumed = make_trainer(tmp_path / "b", [callback])
+    resumed.train(resume_from_checkpoint=True)
+    assert checkpoint_folders(tmp_path / "b") == []
+    assert same_weights(resumed, uninterrupted) and losses(resumed) == losses(uninterrupted)
+    repo = ins.open(url)
+    assert [info.step for info in repo.log()] == [8, 6, 4, 2]
+    assert repo.log()[0].metrics["loss"] == losses(uninterrupted)[-1]   # the step's log, attached
+    # the uninterrupted run's own (last) folder: the stored state is the one the Trainer writes
+    folder = Path(uninterrupted.args.output_dir) / "checkpoint-8"
+    theirs = json.loads((folder / "trainer_state.json").read_text())
+    ours = json.loads(load_state(repo, prefix="extra/trainer_state"))
+    assert ours == theirs
+
+
+def test_an_evaluation_at_the_save_step_is_in_the_version(tmp_path: Path) -> None:
+    url = f"memory://hf-eval-{tmp_path.name}"
+    trainer = make_trainer(tmp_path / "a", [InshrinkCallback(url, lossless=True)])
+    trainer.args.eval_strategy = "steps"
+    trainer.args.eval_steps = 4
+    trainer.eval_dataset = trainer.train_dataset[:8]
+    trainer.train()
+    assert checkpoint_folders(tmp_path / "a") == []
+    repo = ins.open(url)
+    assert [sorted(k for k in info.metrics if k.startswith("eval_")) != [] for info in repo.log()] == \
+        [True, False, True, False]                                      # steps 8, 6, 4, 2
+    saved = json.loads(load_state(repo, "main~1", prefix="extra/trainer_state"))
+    assert any("eval_loss" in entry for entry in saved["log_history"])
+
+
+def test_best_model_tracking_keeps_the_trainers_folders_and_says_so(tmp_path: Path) -> None:
+    url = f"memory://hf-best-{tmp_path.name}"
+    callback = InshrinkCallback(url, lossless=True)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "a"), use_cpu=True, report_to=[], per_device_train_batch_size=8, max_steps=4,
+        save_steps=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, save_only_model=True,
+        disable_tqdm=True)
+    with pytest.warns(UserWarning, match="load_best_model_at_end"):
+        trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data,
+                                       eval_dataset=data[:8], callbacks=[callback])
+    trainer.train()
+    assert checkpoint_folders(tmp_path / "a") != []                      # the Trainer's own, as warned
+    assert [info.step for info in ins.open(url).log()] == [4, 2]         # and every save a version
+
+
+def test_a_stateful_callback_of_the_users_leaves_the_saves_to_the_trainer(tmp_path: Path) -> None:
+    class Stateful(transformers.TrainerCallback, transformers.trainer_callback.ExportableState):
+        def state(self) -> dict[str, Any]:
+            return {"args": {}, "attributes": {}}
+
+    url = f"memory://hf-stateful-{tmp_path.name}"
+    trainer = make_trainer(tmp_path / "a", [InshrinkCallback(url, lossless=True), Stateful()])
+    with pytest.warns(UserWarning, match="Stateful"):
+        trainer.train()
+    assert checkpoint_folders(tmp_path / "a") == ["checkpoint-8"]     # the Trainer's own (save_total_limit=1)
+    assert [info.step for info in ins.open(url).log()] == [8, 6, 4, 2]
+
+
 def test_resume_path_without_a_version_or_trainer_state(tmp_path: Path) -> None:
     callback = InshrinkCallback(f"memory://hf-empty-{tmp_path.name}")
     assert callback.resume_path() is None                   # a fresh start: train(resume_from_checkpoint=None)
