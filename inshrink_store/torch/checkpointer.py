@@ -459,7 +459,8 @@ class Checkpointer:
         model_state = job.state["model"]
         job.sensitivity.update({f"model/{n}": (g * model_state[n].float()).abs().numpy()
                                 for n, g in job.ema.items() if n in model_state})
-        arrays, dtypes, skeleton = state_to_arrays(job.state)
+        # views, not copies: job.state is this save's own copy (staging.py), read-only from here on
+        arrays, dtypes, skeleton = state_to_arrays(job.state, copy=False)
         parent, expected = self._commit_base()
         evaluate: _QuantizedEval | None = None
         plans: Any = None
