@@ -55,7 +55,7 @@ from inshrink_store.errors import (
 )
 from inshrink_store.layout import branch_ref_path
 from inshrink_store.policy import QuantConfig, StatePlanner
-from inshrink_store.refs import Refs, check_name
+from inshrink_store.refs import check_name
 from inshrink_store.repository import Repository
 from inshrink_store.repository import open as open_repo
 from inshrink_store.residual import MAX_KEEP_NEWEST
@@ -574,23 +574,13 @@ class _OnlyOwnCheckpointsCollected(_OtherBranchesKept):
                     if not ours:
                         kept.add(current)
                     current = parent
-        return {**{f"{sid} (not the plugin's)": sid for sid in kept}, **self._other_branches()}
+        return {**{f"{sid} (not the plugin's)": sid for sid in kept}, **super().tags()}
 
-    def _other_branches(self) -> dict[str, str]:
-        """:class:`_OtherBranchesKept`'s tags, but the plugin's side branches of ``last.ckpt``
-        versions (:func:`_side_branch`) keep their head only (as the gc's ``keep_last=1``
-        does), not their history: that is this branch's, whose removed checkpoints must go."""
-        kept: set[str] = set()
-        for name, seqs in self.branch_seqs().items():
-            if name == self._branch or _is_side_branch(name, self._branch):
-                continue
-            for seq in seqs:
-                try:
-                    start = self.read(branch_ref_path(name, seq))
-                except FileNotFoundError:
-                    continue  # deleted since the listing
-                self._walk(start, kept)
-        return {**{f"{sid} (another branch's)": sid for sid in kept}, **Refs.tags(self)}
+    def _keeps_history(self, name: str) -> bool:
+        """Every other branch keeps its history, but the plugin's side branches of ``last.ckpt``
+        versions (:func:`_side_branch`) keep their head only (as the gc's ``keep_last=1`` does):
+        their history is this branch's, whose removed checkpoints must go."""
+        return super()._keeps_history(name) and not _is_side_branch(name, self._branch)
 
     def _version(self, snapshot_id: str) -> tuple[bool, str | None] | None:
         """(written by the plugin, parent) of a version, or None where it is missing."""

@@ -431,7 +431,7 @@ class _OtherBranchesKept(Refs):
     def tags(self) -> dict[str, str]:
         kept: set[str] = set()
         for name, seqs in self.branch_seqs().items():
-            if name != self._branch:
+            if self._keeps_history(name):
                 for seq in seqs:
                     try:
                         start = self.read(branch_ref_path(name, seq))
@@ -439,6 +439,10 @@ class _OtherBranchesKept(Refs):
                         continue  # deleted since the listing
                     self._walk(start, kept)
         return {**{f"{sid} (another branch's)": sid for sid in kept}, **super().tags()}
+
+    def _keeps_history(self, name: str) -> bool:
+        """Whether branch ``name``'s whole history is kept: every branch but the one trimmed."""
+        return name != self._branch
 
     def _walk(self, start: str | None, kept: set[str]) -> None:
         """Add ``start`` and its ancestors to ``kept``, up to one already there or missing.
