@@ -27,6 +27,7 @@ from inshrink_store.layout import object_path, residual_path  # noqa: E402
 from inshrink_store.torch import Checkpointer, load_state, load_state_report  # noqa: E402
 from inshrink_store.torch.tensors import state_to_arrays  # noqa: E402
 from tests._cli_helpers import run_main, runner  # noqa: E402
+from tests.test_torch._lossy import SaysLossy  # noqa: E402
 
 
 def _problem(seed: int = 0) -> tuple[Any, Any, Any, Any]:
@@ -69,23 +70,9 @@ def _assert_identical(got: Any, expected: Any, where: str = "") -> None:
         assert got == expected, where
 
 
-class _SaysLossy(Checkpointer):
-    """A Checkpointer without eval_fn: its first save says the weights are stored lossy (the
-    warning comes with the first save, not construction: issue 43, item 8)."""
-
-    _said = False
-
-    def save(self, *args: Any, **kwargs: Any) -> Any:
-        if self._said:
-            return super().save(*args, **kwargs)
-        self._said = True
-        with pytest.warns(UserWarning, match="no eval_fn"):
-            return super().save(*args, **kwargs)
-
-
 def _checkpointer(repo: ins.Repository, model: Any, opt: Any, **kwargs: Any) -> Checkpointer:
     kwargs.setdefault("background", False)
-    return _SaysLossy(repo, model, opt, eval_fn=None, **kwargs)
+    return SaysLossy(repo, model, opt, eval_fn=None, **kwargs)
 
 
 def _restored(repo: ins.Repository, ref: str = "main") -> tuple[Checkpointer, Any, Any]:

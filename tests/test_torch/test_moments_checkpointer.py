@@ -15,6 +15,7 @@ import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import QuantConfig, SearchPolicy  # noqa: E402
 from inshrink_store.policy.moments import AdamHyper, MomentPolicy, MomentRecord, compare, update  # noqa: E402
 from inshrink_store.torch import Checkpointer  # noqa: E402
+from tests.test_torch._lossy import SaysLossy  # noqa: E402
 
 LOGGER = "inshrink_store.torch.checkpointer"
 X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
@@ -48,25 +49,11 @@ def _train(model: Any, opt: Any, steps: int) -> float:
         return float(torch.nn.functional.cross_entropy(model(X), Y))
 
 
-class _SaysLossy(Checkpointer):
-    """A Checkpointer without eval_fn: its first save says the weights are stored lossy (the
-    warning comes with the first save, not construction: issue 43, item 8)."""
-
-    _said = False
-
-    def save(self, *args: Any, **kwargs: Any) -> Any:
-        if self._said:
-            return super().save(*args, **kwargs)
-        self._said = True
-        with pytest.warns(UserWarning, match="no eval_fn"):
-            return super().save(*args, **kwargs)
-
-
 def _checkpointer(repo: Any, model: Any, opt: Any, **kwargs: Any) -> Checkpointer:
     """A Checkpointer whose restores return the stored (lossy) moments: these tests are about
     what the store keeps for history, so the exact-resume residual is off unless asked for."""
     kwargs.setdefault("exact_resume", 0)
-    return _SaysLossy(repo, model, opt, background=False, **kwargs)
+    return SaysLossy(repo, model, opt, background=False, **kwargs)
 
 
 def _clone_state(opt: Any) -> dict[int, dict[str, Any]]:
