@@ -106,7 +106,10 @@ def export_pretrained(reader: Any, directory: str | os.PathLike[str], *,
     state = _model_state(export_state(reader, residual=residual, progress=progress))
     directory.mkdir(parents=True, exist_ok=True)
     _atomic(directory / CONFIG_NAME, lambda tmp: _write_text(tmp, text))
-    weights = _weights(state, _tied_keys(directory) if _has_duplicates(state) else None)
+    model = _config_model(directory)
+    if model is not None:
+        state = _matched(state, model[0])
+    weights = _weights(state, model[1] if model is not None and _has_duplicates(state) else None)
     save_safetensors(weights, directory / WEIGHTS_NAME, {"format": "pt"})
     copied = _copy_folder(source, directory) if source is not None else ()
     return PretrainedExport(directory, len(weights), config_from, copied)
@@ -242,11 +245,12 @@ def _has_duplicates(state: Mapping[str, Any]) -> bool:
     return False
 
 
-def _tied_keys(directory: Path) -> list[list[str]] | None:
-    """The groups of state-dict keys that the model of ``directory``'s config.json ties (one
-    parameter under several names), each in the model's order; asked of the model itself,
-    built by transformers on the meta device (no memory, no weights). None when transformers
-    is missing or cannot build it (a remote-code model is never run): nothing is dropped."""
+def _config_model(directory: Path) -> tuple[list[str], list[list[str]]] | None:
+    """The state-dict keys the model of ``directory``'s config.json loads, and the groups of
+    them it ties (one parameter under several names), each in the model's order; asked of the
+    model itself, built by transformers on the meta device (no memory, no weights). None when
+    transformers is missing or cannot build it (a remote-code model is never run): the keys
+    are then written as stored and nothing is dropped."""
     try:
         import transformers
     except ImportError:
@@ -261,8 +265,9 @@ def _tied_keys(directory: Path) -> list[list[str]] | None:
         with torch.device("meta"):
             model = (cls(config) if cls is not None
                      else transformers.AutoModel.from_config(config))  # type: ignore[no-untyped-call]  # unannotated in transformers
-    except Exception as exc:  # any failure only means the ties are not known
-        log.info("could not build the config's model to find its tied weights (%s): all keys written", exc)
+    except Exception as exc:  # any failure only means the model's keys are not known
+        log.info("could not build the config's model to learn its keys and tied weights (%s): all keys "
+                 "written as stored", exc)
         return None
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -270,7 +275,41 @@ def _tied_keys(directory: Path) -> list[list[str]] | None:
     for name, tensor in [*model.named_parameters(remove_duplicate=False),
                          *model.named_buffers(remove_duplicate=False)]:
         groups.setdefault(id(tensor), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    keys = [name for names in groups.values() for name in names]
+    return keys, [names for names in groups.values() if len(names) > 1]
+
+
+def _matched(state: dict[str, Any], expected: list[str]) -> dict[str, Any]:
+    """The version's state dict under the keys ``from_pretrained`` looks for.
+
+    Why: a training framework's state dict names the transformers model by the attribute
+    that holds it (a LightningModule's ``self.model`` gives ``model.transformer.wte.weight``).
+    Written as stored, ``from_pretrained`` matches none of those keys and initialises every
+    weight at random, saying so only in a log line. So: when one key prefix (``model.``)
+    makes more of the version's keys the model's own than the keys as stored do, that prefix
+    is taken off and the keys outside it (a loss module's, a metric's) are left out, logged;
+    when no key matches the model at all, the export is refused rather than written."""
+    wanted = set(expected)
+    hits: dict[str, int] = {"": sum(key in wanted for key in state)}
+    for key in state:  # each prefix (up to a dot) that leaves one of the model's keys
+        for i, ch in enumerate(key):
+            if ch == "." and key[i + 1:] in wanted:
+                hits[key[: i + 1]] = hits.get(key[: i + 1], 0) + 1
+    best = max(sorted(hits), key=lambda prefix: hits[prefix])  # ties: the shortest, "" first
+    best_hits = hits[best]
+    if best_hits == 0:
+        raise FormatError(
+            f"Expected the version's state dict to hold the weights of the config's model (keys such as "
+            f"{expected[0]!r}). Got keys such as {next(iter(state), '(none)')!r} instead, none of them the "
+            "model's: from_pretrained would initialise every weight at random. Export the model's own state "
+            "dict (save it under model/), or pass the config of the model these weights belong to.")
+    if not best:
+        return state
+    left_out = sorted(key for key in state if not key.startswith(best))
+    if left_out:
+        log.warning("exported the weights under %r without that prefix, as from_pretrained names them; left "
+                    "out %d tensor(s) outside it: %s", best, len(left_out), ", ".join(left_out[:5]))
+    return {key[len(best):]: tensor for key, tensor in state.items() if key.startswith(best)}
 
 
 def _copy_folder(source: Path, directory: Path) -> tuple[str, ...]:
