@@ -6,7 +6,6 @@ umask allows.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterator
@@ -36,10 +35,13 @@ def _mode(path: Path) -> int:
 
 
 def test_exports_have_the_mode_open_gives_under_the_umask(tmp_path: Path, umask: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=8, max_position_embeddings=8, architectures=["BertModel"])
     url = str(tmp_path / "store")
-    save_state(ins.open(url, create=True), {"model": torch.nn.Linear(4, 3).state_dict()}, step=1)
+    save_state(ins.open(url, create=True), {"model": transformers.BertModel(bert).state_dict()}, step=1)
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "bert"}))
+    config.write_text(bert.to_json_string())
     plain = tmp_path / "plain"
     with open(plain, "w"):
         pass

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -104,11 +105,13 @@ def export_pretrained(reader: Any, directory: str | os.PathLike[str], *,
             "the export would overwrite the original's weights; export to a new folder.")
     text, config_from = _config_text(reader, config, source)
     state = _model_state(export_state(reader, residual=residual, progress=progress))
-    directory.mkdir(parents=True, exist_ok=True)
-    _atomic(directory / CONFIG_NAME, lambda tmp: _write_text(tmp, text))
-    model = _config_model(directory)
+    with tempfile.TemporaryDirectory(prefix="inshrink-config-") as scratch:  # asked before anything is written
+        _write_text(str(Path(scratch) / CONFIG_NAME), text)
+        model = _config_model(Path(scratch))
     if model is not None:
         state = _matched(state, model[0])
+    directory.mkdir(parents=True, exist_ok=True)
+    _atomic(directory / CONFIG_NAME, lambda tmp: _write_text(tmp, text))
     weights = _weights(state, model[1] if model is not None and _has_duplicates(state) else None)
     save_safetensors(weights, directory / WEIGHTS_NAME, {"format": "pt"})
     copied = _copy_folder(source, directory) if source is not None else ()

@@ -36,3 +36,20 @@ def test_weights_of_another_model_are_refused_rather_than_loaded_at_random() -> 
     with pytest.raises(FormatError, match=r"none of them the model's.*'encoder\.layer\.0\.weight'|"
                                           r"'encoder\.layer\.0\.weight'.*none of them the model's"):
         _matched({"encoder.layer.0.weight": 1}, MODEL_KEYS)
+
+
+def test_a_refused_export_writes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import inshrink_store as ins
+    from inshrink_store.torch import save_state
+    from tests._cli_helpers import run
+
+    url = str(tmp_path / "store")
+    save_state(ins.open(url, create=True), {"model": torch.nn.Linear(4, 3).state_dict()}, step=1)
+    config = tmp_path / "config.json"
+    config.write_text(transformers.BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=8).to_json_string())
+    result = run("export", url, "main", str(tmp_path / "hf"), "--format", "hf", "--config", str(config))
+    assert result.exit_code == 1 and "none of them the model's" in str(result.exception or result.output)
+    assert not (tmp_path / "hf").exists()
