@@ -43,6 +43,23 @@ class MemoryStorage(FsspecStorage):
             return int(found.size)
         return self._call("stat", path, size)
 
+    def _find(self, prefix: str) -> dict[str, tuple[int, float | None]]:
+        """Files under ``prefix`` from one copy of the dict's items, made in a single C call.
+
+        Why: fsspec's ``find`` walks the live dict, and a write from another thread (a writer
+        beside gc, a save's parallel chunk puts) makes it fail with "dictionary changed size
+        during iteration"; gc, which stops on any failed listing, then stops for nothing."""
+        root = self._key(prefix).rstrip("/")
+        with self._wrapped("list", prefix):
+            items = list(self.fs.store.items())
+        out: dict[str, tuple[int, float | None]] = {}
+        for key, entry in items:
+            if key == root or key.startswith(root + "/"):
+                rel = self._relative(key)
+                if rel is not None:
+                    out[rel] = (int(entry.size), None)
+        return dict(sorted(out.items()))
+
     def write(self, path: str, data: bytes) -> None:
         self._call("write", path, lambda: self.fs.pipe_file(self._full(path), data))
 
