@@ -5,6 +5,7 @@ Layer: storage (with codecs and structure), above the helpers.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from inshrink_store.storage.base import FsspecStorage
 
@@ -44,14 +45,14 @@ class MemoryStorage(FsspecStorage):
         return self._call("stat", path, size)
 
     def _find(self, prefix: str) -> dict[str, tuple[int, float | None]]:
-        """Files under ``prefix`` from one copy of the dict's items, made in a single C call.
+        """Files under ``prefix`` from a copy of the dict (:func:`_copy_of`).
 
         Why: fsspec's ``find`` walks the live dict, and a write from another thread (a writer
         beside gc, a save's parallel chunk puts) makes it fail with "dictionary changed size
         during iteration"; gc, which stops on any failed listing, then stops for nothing."""
         root = self._key(prefix).rstrip("/")
         with self._wrapped("list", prefix):
-            items = list(self.fs.store.items())
+            items = list(_copy_of(self.fs.store).items())
         out: dict[str, tuple[int, float | None]] = {}
         for key, entry in items:
             if key == root or key.startswith(root + "/"):
@@ -70,3 +71,18 @@ class MemoryStorage(FsspecStorage):
             if self._key(path) in self.fs.store:
                 raise FileExistsError(full)
             self.fs.pipe_file(full, data)
+
+
+def _copy_of(store: dict[str, Any]) -> dict[str, Any]:
+    """A copy of fsspec's memory dict while other threads write to it.
+
+    ``dict.copy`` is one C call that runs no Python code, so no other thread can change the
+    dict in the middle of it (a walk that builds a tuple per item can start the cyclic
+    garbage collector, whose finalizers let another thread run). Should an interpreter
+    without that guarantee still see the dict change, the copy is taken again."""
+    for _ in range(100):
+        try:
+            return store.copy()
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    return store.copy()
