@@ -18,21 +18,13 @@ import inshrink_store as ins  # noqa: E402
 from inshrink_store.errors import InvalidInputError  # noqa: E402
 from inshrink_store.torch import Checkpointer, Retention, load_state  # noqa: E402
 from tests._cli_helpers import run  # noqa: E402
+from tests.test_torch._tiny import tiny_model, train_step  # noqa: E402
 
 #: (step, val_loss or None: saved without it); min-best 2 at the end: steps 4 and 5; the newest is 6
 LOSSES: list[tuple[int, float | None]] = [(1, 0.9), (2, 0.5), (3, None), (4, 0.3), (5, 0.4), (6, 0.8)]
 
 
-def _model() -> tuple[Any, Any]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _step(model: Any, opt: Any) -> None:
-    opt.zero_grad()
-    model(torch.randn(16, 8)).pow(2).mean().backward()
-    opt.step()
+_model, _step = tiny_model, train_step
 
 
 def _run(repo: Any, retention: Retention, losses: list[tuple[int, float | None]],

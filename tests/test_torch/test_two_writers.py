@@ -16,18 +16,9 @@ torch = pytest.importorskip("torch")
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.torch import Checkpointer, load_state  # noqa: E402
+from tests.test_torch._tiny import tiny_model, train_step  # noqa: E402
 
-
-def _model(seed: int) -> tuple[Any, Any]:
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 4)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _step(model: Any, opt: Any) -> None:
-    opt.zero_grad()
-    model(torch.randn(16, 8)).pow(2).mean().backward()
-    opt.step()
+_model, _step = tiny_model, train_step
 
 
 def _saved(ck: Checkpointer, step: int) -> Any:
