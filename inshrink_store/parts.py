@@ -35,16 +35,19 @@ class StoreParts:
         """Branch, tag, snapshot id or unique id prefix, with ``~N`` / ``^`` suffixes."""
         base, back = parse_expression(ref)
         snapshot_id = self._resolve_base(base)
+        if not back:
+            return snapshot_id
+        # ~N walks the history as log shows it: past a parent gc removed to the kept one before
+        lineage = self.history.lineage(snapshot_id)
+        next(lineage)
         for i in range(back):
-            parent = self.history.get(snapshot_id).parent
-            if parent is None:
+            found = next(lineage, None)
+            if found is None:
                 raise NotFoundError(
                     f"Expected {ref!r} to name a version. Got a history only {i} versions deep "
-                    f"before {base!r} instead."
+                    f"before {base!r} instead (see `inshrink log`)."
                 )
-            snapshot_id = parent
-        if back:
-            self.history.get(snapshot_id)  # gc may have cut history here: NotFoundError
+            snapshot_id = found.id
         return snapshot_id
 
     def _resolve_base(self, base: str) -> str:
