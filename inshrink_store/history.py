@@ -122,7 +122,9 @@ class History:
         restore went back to, which would make the version before it in the ref files no
         ancestor), and only when every such branch agrees; else None: the history ends here,
         as it did before. Only a confirmed absence skips a version; any other error reading
-        one propagates."""
+        one propagates. Limit: once the head a restore's commit replaced is gone as well (its
+        ``.replaced-`` branch deleted and collected), nothing in the store says a restore
+        happened there, and a version of the replaced line that a tag keeps is taken."""
         found: dict[str, SnapshotInfo] = {}
         for branch, seq in journal.naming(info.id):
             if journal.at(branch, seq - 1) not in (None, info.parent):
