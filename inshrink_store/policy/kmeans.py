@@ -57,16 +57,27 @@ def _seed(points: np.ndarray, weights: np.ndarray, k: int) -> int:
     return h.intdigest()
 
 
+def draw(rng: np.random.Generator, p: np.ndarray) -> int:
+    """``rng.choice(p.size, p=p)`` for probabilities ``p`` that sum to 1: the same index from
+    the same draw of ``rng`` (numpy's own steps: cumulative sum, divided by its last, one
+    ``rng.random()``, searched on the right), without ``choice``'s checks of ``p``, which cost
+    as much as the draw and run for every centre of every fit. Property-tested against
+    ``choice`` in ``tests/test_policy/test_kmeans.py``."""
+    cdf = p.cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
 def kmeans_pp(points: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """Weighted k-means++: each next centre drawn with probability ~ distance^2 x weight."""
-    centres = [points[rng.choice(points.size, p=weights / weights.sum())]]
+    centres = [points[draw(rng, weights / weights.sum())]]
     d2 = (points - centres[0]) ** 2
     for _ in range(1, k):
         score = d2 * weights
         total = score.sum()
         if total <= 0:
             break
-        nxt = points[rng.choice(points.size, p=score / total)]
+        nxt = points[draw(rng, score / total)]
         centres.append(nxt)
         np.minimum(d2, (points - nxt) ** 2, out=d2)
     return np.unique(np.asarray(centres, dtype=np.float64))

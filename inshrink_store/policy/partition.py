@@ -166,18 +166,27 @@ def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantSettings,
     not depend on the prune fraction, so a ``cache`` shares them across configurations."""
     if config.prune <= 0:
         return {}
-    pooled: dict[tuple[str, str], LogSketch] = {}
+    pools: dict[tuple[str, str], list[str]] = {}
     for name in sorted(tensors):
+        pools.setdefault((str(tensors[name].layer_type), _metric(tensors[name], config)), []).append(name)
+
+    def score_sketch(name: str, metric: str) -> LogSketch:
         t = tensors[name]
-        metric = _metric(t, config)
         source = t.sensitivity if metric == "sensitivity" else t.values
 
-        def build(source: Any = source) -> LogSketch:
+        def build() -> LogSketch:
             return LogSketch.from_values(source).magnitudes()
 
-        sketch = cache.sketch(("scores", name, metric), build) if cache is not None else build()
-        key = (str(t.layer_type), metric)
-        pooled[key] = pooled[key].merge(sketch) if key in pooled else sketch
+        return cache.sketch(("scores", name, metric), build) if cache is not None else build()
+
+    def pool(key: tuple[str, str]) -> LogSketch:
+        merged = score_sketch(pools[key][0], key[1])
+        for name in pools[key][1:]:
+            merged = merged.merge(score_sketch(name, key[1]))
+        return merged
+
+    pooled = {key: (cache.sketch(("pooled", *key, tuple(names)), lambda key=key: pool(key)) if cache is not None
+                    else pool(key)) for key, names in pools.items()}
     return {key: s.quantile(config.prune) for key, s in sorted(pooled.items()) if s.count}
 
 
@@ -301,11 +310,12 @@ def _previous(prev: Any, dtype: str, include_zero: bool, levels: int) -> np.ndar
     return p
 
 
-def _choose_codebook(w: np.ndarray, rest: np.ndarray, levels: int, include_zero: bool, dtype: str,
+def _choose_codebook(w: np.ndarray, rest: np.ndarray | None, levels: int, include_zero: bool, dtype: str,
                      previous: Any, tolerance: float, sketch: LogSketch | None = None,
                      fresh: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """Fresh fit, or the previous codebook when it is within ``tolerance`` of the fresh one's
     error, or a refit warm-started from the previous codebook (fresh when that is worse).
+    ``rest``: the mask of the values quantized (read only when ``sketch``, theirs, is None);
     ``fresh``: the fresh fit when it is already made (:func:`fresh_codebook`)."""
     if sketch is None:
         sketch = LogSketch.from_values(w, mask=rest)
@@ -329,8 +339,8 @@ def _snap(w: np.ndarray, centres: np.ndarray) -> np.ndarray:
     c32 = centres.astype(np.float32)
     ids = nearest_index(w, c32)
     out = np.empty(w.size, np.float32)
-    for s in range(0, w.size, BLOCK):
-        np.take(c32, ids[s:s + BLOCK], out=out[s:s + BLOCK])
+    for s in range(0, w.size, BLOCK):  # "clip": ids are in range, and mode "raise" buffers ``out``
+        np.take(c32, ids[s:s + BLOCK], out=out[s:s + BLOCK], mode="clip")
     return out.reshape(w.shape)
 
 
@@ -398,12 +408,26 @@ class PartitionCache:
     protect / prune / metric have the same rest, hence the same sketch, the costliest
     step of fitting a codebook. Only sketches, counts and codebooks are kept (a few KB
     each), never masks or values, so a cache costs no model-sized memory. Results are
-    identical with or without one. Keep one per checkpoint (keys are tensor names)."""
+    identical with or without one. Keep one per checkpoint (keys are tensor names).
+
+    Besides, per tensor and protect fraction, the flat positions of its protected elements
+    (:meth:`positions`: a percent or two of its elements, found once instead of a selection
+    and three passes over the tensor for every configuration), and per layer type the
+    pooled sketch of the prune scores (:func:`prune_thresholds`)."""
 
     def __init__(self) -> None:
         self._sketches: dict[tuple[Any, ...], LogSketch] = {}
         self._parts: dict[tuple[Any, ...], Part] = {}
         self._codebooks: dict[tuple[Any, ...], Any] = {}
+        self._positions: dict[tuple[Any, ...], np.ndarray] = {}
+
+    def positions(self, key: tuple[Any, ...], build: Any) -> np.ndarray:
+        """Sorted flat positions (read-only), e.g. a tensor's protected elements."""
+        if key not in self._positions:
+            found = build()
+            found.flags.writeable = False
+            self._positions[key] = found
+        return self._positions[key]
 
     def sketch(self, key: tuple[Any, ...], build: Any) -> LogSketch:
         if key not in self._sketches:
@@ -423,13 +447,36 @@ class PartitionCache:
         return self._codebooks[key]
 
 
+def _protected_positions(w: np.ndarray, t: TensorInput, config: QuantSettings, cache: PartitionCache | None,
+                         name: str | None) -> np.ndarray:
+    """Sorted flat positions of :func:`protected_mask` (with ``cache`` and ``name``, found once
+    per protect fraction: the fraction and the tensor fix them)."""
+    def build() -> np.ndarray:
+        found: np.ndarray = np.flatnonzero(protected_mask(w, t.sensitivity, config.protect, cache=cache, name=name))
+        return found
+
+    if cache is None or name is None:
+        return build()
+    return cache.positions(("protected", name, config.protect), build)
+
+
 def _masks(w: np.ndarray, t: TensorInput, config: QuantSettings, prune_threshold: float | None,
-           cache: PartitionCache | None = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    protected = protected_mask(w, t.sensitivity, config.protect, cache=cache, name=name)
-    pruned = np.zeros(w.shape, bool)
-    if prune_threshold is not None:
-        pruned = (_prune_scores(t, _metric(t, config)) <= prune_threshold) & ~protected
+           cache: PartitionCache | None = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The protected positions (sorted, flat) and the pruned mask (flat; None: nothing pruned):
+    the scores at or below the threshold, less the protected."""
+    protected = _protected_positions(w, t, config, cache, name)
+    if prune_threshold is None:
+        return protected, None
+    pruned: np.ndarray = (_prune_scores(t, _metric(t, config)) <= prune_threshold).reshape(-1)
+    pruned[protected] = False
     return protected, pruned
+
+
+def _rest(size: int, protected: np.ndarray, pruned: np.ndarray | None) -> np.ndarray:
+    """The flat mask of the quantized rest: neither protected nor pruned."""
+    rest = np.ones(size, bool) if pruned is None else ~pruned
+    rest[protected] = False
+    return rest
 
 
 def part_key(name: str, t: TensorInput, config: QuantSettings,
@@ -439,10 +486,12 @@ def part_key(name: str, t: TensorInput, config: QuantSettings,
     return (name, config.protect, prune_threshold, _metric(t, config) if prune_threshold is not None else None)
 
 
-def _new_part(w: np.ndarray, protected: np.ndarray, pruned: np.ndarray, sketch: LogSketch,
+def _new_part(w: np.ndarray, protected: np.ndarray, pruned: np.ndarray | None, sketch: LogSketch,
               protected_dtype: str) -> Part:
-    words = protected_words(w, protected, protected_dtype)
-    return Part(sketch, int(words.size), _count(pruned), int(w.size), protected_dtype, coded_words_bytes(words))
+    """``protected``: sorted flat positions; ``pruned``: a flat mask (None: none pruned)."""
+    words = protected_words(w.reshape(-1), protected, protected_dtype)
+    return Part(sketch, int(words.size), 0 if pruned is None else _count(pruned), int(w.size), protected_dtype,
+                coded_words_bytes(words))
 
 
 def _count(mask: np.ndarray) -> int:
@@ -456,7 +505,7 @@ def tensor_part(t: TensorInput, config: QuantSettings, prune_threshold: float | 
     def build() -> Part:
         w = _as_float32(t)
         protected, pruned = _masks(w, t, config, prune_threshold, cache, name)
-        rest = ~(protected | pruned)
+        rest = _rest(w.size, protected, pruned)
         if cache is not None and name is not None:
             sketch = cache.sketch(part_key(name, t, config, prune_threshold),
                                   lambda: LogSketch.from_values(w, mask=rest))
@@ -493,7 +542,6 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
     w = _as_float32(t)
     dtype = str(t.dtype)
     protected, pruned = _masks(w, t, config, prune_threshold, cache, name)
-    rest = ~(protected | pruned)
     include_zero = config.prune > 0
     prev = previous if previous is not None else t.previous_codebook
     levels = config.levels_for(str(t.layer_type))
@@ -501,32 +549,34 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
     if cache is not None and name is not None:
         key = part_key(name, t, config, prune_threshold)
         part = cache.part((*key, config.protected_dtype), lambda: _new_part(
-            w, protected, pruned, cache.sketch(key, lambda: LogSketch.from_values(w, mask=rest)),
-            config.protected_dtype))
+            w, protected, pruned, cache.sketch(key, lambda: LogSketch.from_values(
+                w, mask=_rest(w.size, protected, pruned))), config.protected_dtype))
         fresh = fresh_codebook(part, levels, include_zero, dtype, cache=cache, key=key)
         prev_key = None if prev is None else tuple(float(c) for c in np.asarray(prev, np.float64).ravel())
         centres, reused = cache.codebook(
             (*key, levels, include_zero, dtype, prev_key, config.codebook_reuse_tolerance),
-            lambda: _choose_codebook(w, rest, levels, include_zero, dtype, prev, config.codebook_reuse_tolerance,
+            lambda: _choose_codebook(w, None, levels, include_zero, dtype, prev, config.codebook_reuse_tolerance,
                                      sketch=part.sketch, fresh=fresh))
     else:
-        centres, reused = _choose_codebook(w, rest, levels, include_zero, dtype, prev,
+        centres, reused = _choose_codebook(w, _rest(w.size, protected, pruned), levels, include_zero, dtype, prev,
                                            config.codebook_reuse_tolerance)
     out = _snap(w, centres)
-    out[pruned] = 0.0
-    if protected.any():
-        kept = w[protected]
+    flat = out.reshape(-1)
+    if pruned is not None:
+        flat[pruned] = 0.0
+    if protected.size:
+        kept = w.reshape(-1)[protected]
         # the values the codec stores: rounded to the protected dtype and the tensor's own, a
         # finite value never rounded to infinity (bfloat16 rounds float32's largest and
         # float16's 65504 past their range: the codec would have stored the infinity planned)
         element = dtype_registry.get(dtype).codec_name or "float32"  # F64: its float32 values
         rounded = protected_values(kept, element, config.protected_dtype)
-        out[protected] = np.where(np.isfinite(kept), rounded, kept)  # NaN / Inf left alone
+        flat[protected] = np.where(np.isfinite(kept), rounded, kept)  # NaN / Inf left alone
     n = max(w.size, 1)
     stats = _Stats({
         "levels": int(centres.size),
-        "pruned_fraction": float(np.count_nonzero(pruned)) / n,
-        "protected_fraction": float(np.count_nonzero(protected)) / n,
+        "pruned_fraction": float(0 if pruned is None else np.count_nonzero(pruned)) / n,
+        "protected_fraction": float(protected.size) / n,
         "rel_l2_error": None,
         "max_abs_error": None,
         "codebook_reused": bool(reused),

@@ -19,6 +19,16 @@ come back to the host, and both paths turn them into stores with the same code. 
 agree bit for bit for every float32, float16 and bfloat16 value whatever the last-ulp
 rounding of either library's ``log2`` (checked exhaustively in
 ``tests/test_codecs/test_xp_path.py``).
+
+float32 values on the host take a faster road to the same keys (:func:`_f32_tables`): no
+float32 lies near a bucket edge, so a key is a non-decreasing function of the value's bit
+pattern, and a table over the top 15 bits of ``|x|`` (128 rows per power of two, each
+narrower than a bucket, so holding at most one edge) gives every element its key with two
+lookups and one comparison against the row's edge. The table is made once per ``alpha``
+from the very ``log2`` keys it replaces, edges found by bisection on bit patterns; zeros,
+denormals and non-finite values have rows of their own (denormals, rare, are keyed the
+old way). Same stores, bit for bit (property-tested against the float64 road), at about a
+third of its time.
 """
 
 from __future__ import annotations
@@ -188,6 +198,101 @@ def _device_block(block: Any, scale: float) -> tuple[_Store, _Store, int, int]:
     return pos, neg, zeros, bad
 
 
+_F32_SHIFT = 16  # table rows: |x|'s bit pattern >> 16 (8 exponent bits, 7 of mantissa)
+_F32_BLOCK = 1 << 15  # elements per pass of the float32 road: its temporaries stay in L2
+_NORMAL_LO, _NORMAL_HI = 0x00800000, 0x7F800000  # |x| bit patterns of the normal float32 range
+#: the float32 road's codes: masked out, zero, denormal (keyed the float64 way), non-finite;
+#: a key ``k`` is code ``_FIRST_KEY + k - kmin``, and a negative value's code adds ``span``
+_DROPPED, _ZERO, _DENORMAL, _NONFINITE, _FIRST_KEY = 0, 1, 2, 3, 4
+_NEVER = 0x7FFFFFFF  # no |x| pattern is above it
+
+
+@dataclass(frozen=True)
+class _F32Tables:
+    """Per row of :data:`_F32_SHIFT`: its first code, and the largest pattern keeping that
+    code (the next pattern starts the next key; :data:`_NEVER` when the row holds no edge)."""
+
+    code: np.ndarray  # int32
+    last: np.ndarray  # int32
+    span: int  # codes of one sign
+    kmin: int  # the key of code _FIRST_KEY
+
+
+def _f32_keys(patterns: np.ndarray, scale: float) -> np.ndarray:
+    """The float64 road's keys (:func:`_block_stores`) of positive normal float32 bit patterns."""
+    keys = np.asarray(patterns, np.int64).astype(np.uint32).view(np.float32).astype(np.float64)
+    np.log2(keys, out=keys)
+    keys *= scale
+    np.ceil(keys, out=keys)
+    return keys.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=16)
+def _f32_tables(scale: float) -> _F32Tables | None:
+    """The float32 road's tables for ``scale`` (None: a row would hold two edges, an alpha
+    far below the default; such sketches take the float64 road)."""
+    rows = np.arange(1 << (31 - _F32_SHIFT), dtype=np.int64)
+    normal = rows[(rows >= _NORMAL_LO >> _F32_SHIFT) & (rows < _NORMAL_HI >> _F32_SHIFT)]
+    first = normal << _F32_SHIFT
+    last = first + (1 << _F32_SHIFT) - 1
+    k_first, k_last = _f32_keys(first, scale), _f32_keys(last, scale)
+    if np.any(k_last < k_first) or np.any(k_last - k_first > 1):
+        return None
+    kmin = int(k_first.min())
+    code = np.full(rows.size, _DENORMAL, np.int32)
+    code[_NORMAL_HI >> _F32_SHIFT:] = _NONFINITE
+    code[normal] = k_first - kmin + _FIRST_KEY
+    edge = np.full(rows.size, _NEVER, np.int32)
+    edge[0] = 0  # row 0: the pattern 0 (zero), then denormals
+    code[0] = _ZERO
+    split = np.flatnonzero(k_last > k_first)
+    lo, hi = first[split], last[split]  # keys k and k + 1: bisect for the first pattern of k + 1
+    target = k_last[split]
+    while np.any(hi - lo > 1):
+        mid = (lo + hi) // 2
+        up = _f32_keys(mid, scale) >= target
+        lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
+    edge[normal[split]] = hi - 1
+    for table in (code, edge):
+        table.flags.writeable = False
+    return _F32Tables(code, edge, int(k_last.max()) - kmin + 1 + _FIRST_KEY, kmin)
+
+
+def _f32_stores(x: np.ndarray, mask: np.ndarray | None, scale: float,
+                tables: _F32Tables) -> tuple[_Store, _Store, int, int]:
+    """Stores, zero count and non-finite count of float32 ``x`` (1-D, native order) where
+    ``mask`` (bool, or None: all), as :func:`_host_block` gives them, by table lookups."""
+    bits = x.view(np.int32)
+    span = tables.span
+    total = np.zeros(2 * span, np.int64)
+    for s in range(0, bits.size, _F32_BLOCK):
+        b = bits[s:s + _F32_BLOCK]
+        mag = b & 0x7FFFFFFF
+        row = mag >> _F32_SHIFT
+        codes = tables.code.take(row)
+        codes += mag > tables.last.take(row)
+        codes += (b >> 31) & span  # the sign bit: the negative half
+        if mask is not None:
+            codes *= mask[s:s + _F32_BLOCK]  # masked out: code 0, never read
+        total += np.bincount(codes, minlength=2 * span)
+    pos, neg = (_table_store(total[half:half + span], tables.kmin) for half in (0, span))
+    if total[_DENORMAL] or total[span + _DENORMAL]:
+        mag = bits & 0x7FFFFFFF
+        denormal = (mag > 0) & (mag < _NORMAL_LO)
+        if mask is not None:
+            denormal &= mask
+        dpos, dneg, _ = _block_stores(x[denormal], scale, np)
+        pos, neg = _merge_stores([dpos, pos]), _merge_stores([dneg, neg])
+    return pos, neg, int(total[_ZERO] + total[span + _ZERO]), int(total[_NONFINITE] + total[span + _NONFINITE])
+
+
+def _table_store(counts: np.ndarray, kmin: int) -> _Store:
+    """The (keys, counts) store of one sign's codes (keys from code _FIRST_KEY on)."""
+    keyed = counts[_FIRST_KEY:]
+    nz = np.flatnonzero(keyed)
+    return nz.astype(np.int64) + kmin, keyed[nz]
+
+
 @dataclass(frozen=True)
 class LogSketch:
     """An immutable sketch; build with :meth:`from_values`, combine with :meth:`merge`.
@@ -233,6 +338,11 @@ class LogSketch:
         if x.size and not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
             raise FormatError(f"Expected real numbers to sketch. Got dtype {x.dtype} instead.")
         scale = 1.0 / math.log2((1 + alpha) / (1 - alpha))
+        if xp is np and x.dtype == np.float32 and x.dtype.isnative and (mask is None or m.dtype == bool):
+            tables = _f32_tables(scale)
+            if tables is not None:
+                (pk, pc), (nk, nc), zeros, nonfinite = _f32_stores(x, None if mask is None else m, scale, tables)
+                return cls(alpha, pk, pc, nk, nc, zeros, nonfinite)
         pos: list[_Store] = []
         neg: list[_Store] = []
         zeros = nonfinite = 0

@@ -249,3 +249,24 @@ def test_lloyd_in_lockstep_ends_where_each_start_ends_alone(seed: int, n: int, k
     assert len(together) == len(alone)
     for a, b in zip(alone, together, strict=True):
         assert a.shape == b.shape and np.array_equal(a, b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 3000), power=st.integers(0, 40),
+       spikes=st.integers(0, 3))
+def test_a_draw_is_numpys_choice_from_the_same_generator(seed, n, power, spikes):
+    """``draw`` picks the index ``Generator.choice(n, p=p)`` picks and leaves the generator
+    where ``choice`` leaves it, so k-means++ starts (and codebooks) are unchanged by it."""
+    from inshrink_store.policy.kmeans import draw
+
+    local = np.random.default_rng(seed)
+    p = local.random(n) ** power
+    p[local.integers(0, n, spikes)] *= 1e6  # a few points that take nearly all the mass
+    p[local.random(n) < 0.3] = 0.0
+    if p.sum() <= 0:
+        p[0] = 1.0
+    p = p / p.sum()
+    ours, numpys = np.random.default_rng(seed + 1), np.random.default_rng(seed + 1)
+    for _ in range(4):
+        assert draw(ours, p) == int(numpys.choice(n, p=p))
+    assert ours.random() == numpys.random()

@@ -142,3 +142,60 @@ def test_bucket_values_are_products_the_same_on_every_machine(alpha: float, monk
     expected = 2.0 * sketch_mod.gamma_powers(gamma, sketch.pos_keys) / (gamma + 1.0)
     assert np.array_equal(reps[reps > 0], expected)
     assert sketch.quantile(0.5) in reps
+
+
+# -- the float32 road: table lookups give the float64 road's keys -------------------------
+
+_patterns = st.integers(0, 2**32 - 1)
+_f32_by_bits = hnp.arrays(np.uint32, st.integers(0, 500), elements=_patterns).map(lambda b: b.view(np.float32))
+_f32_values = st.one_of(_f32_by_bits, values,
+                        hnp.arrays(np.float32, st.integers(0, 300), elements=st.floats(width=32)))
+
+
+def _float64_road(x: np.ndarray, mask: np.ndarray | None = None, alpha: float = ALPHA) -> LogSketch:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sketch_mod, "_f32_tables", lambda scale: None)
+        return LogSketch.from_values(x, alpha, mask=mask)
+
+
+def _same_typed(a: LogSketch, b: LogSketch) -> bool:
+    return _same(a, b) and all(getattr(a, f).dtype == getattr(b, f).dtype == np.int64 for f in FIELDS[:4])
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=_f32_values, data=st.data(), block=st.sampled_from([3, 64, 1 << 15]))
+def test_the_float32_road_gives_the_float64_roads_sketch(x, data, block):
+    """Any float32 bit pattern (zeros of both signs, denormals, NaN, infinities), any mask,
+    one block or many: the same stores and counts as the float64 road, bit for bit."""
+    mask = data.draw(hnp.arrays(bool, x.shape))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sketch_mod, "_F32_BLOCK", block)
+        fast, fast_masked = LogSketch.from_values(x), LogSketch.from_values(x, mask=mask)
+    assert _same_typed(fast, _float64_road(x))
+    assert _same_typed(fast_masked, _float64_road(x, mask))
+
+
+@pytest.mark.parametrize("alpha", [ALPHA, 0.005, 0.05])
+def test_the_float32_tables_key_every_pattern_of_many_binades_as_log2_does(alpha):
+    """Every positive float32 in [2^-1, 2^1) and [2^-40, 2^-39), and the patterns on either
+    side of every bucket edge the tables hold, keyed by table as by ``log2`` (the whole
+    normal range was checked once for alpha 1 %: no pattern differs)."""
+    scale = 1.0 / math.log2((1 + alpha) / (1 - alpha))
+    tables = sketch_mod._f32_tables(scale)
+    assert tables is not None
+    edges = tables.last[tables.last != sketch_mod._NEVER].astype(np.int64)
+    edges = edges[edges >= sketch_mod._NORMAL_LO]
+    bits = [np.arange(0x3F000000, 0x40000000, dtype=np.int64), np.arange(0x2B800000, 0x2C000000, dtype=np.int64),
+            (edges[:, None] + np.arange(-2, 3)).ravel()]
+    for p in bits:
+        p = p[(p >= sketch_mod._NORMAL_LO) & (p < sketch_mod._NORMAL_HI)]
+        row = p >> sketch_mod._F32_SHIFT
+        keys = tables.code[row].astype(np.int64) + (p > tables.last[row]) - sketch_mod._FIRST_KEY + tables.kmin
+        assert np.array_equal(keys, sketch_mod._f32_keys(p, scale))
+
+
+def test_an_alpha_too_fine_for_the_table_takes_the_float64_road():
+    x = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+    alpha = 0.001  # buckets of 0.2 %: a table row (up to 0.8 %) would hold several edges
+    assert sketch_mod._f32_tables(1.0 / math.log2((1 + alpha) / (1 - alpha))) is None
+    assert _same(LogSketch.from_values(x, alpha), _float64_road(x, alpha=alpha))
