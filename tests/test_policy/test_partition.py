@@ -429,3 +429,79 @@ def test_sketch_squared_errors_of_values_far_below_every_centre(magnitude: float
     c = centres.astype(np.float32)
     exact = float(np.sum((values - c[nearest_index(values, c)]).astype(np.float64) ** 2))
     assert sketch_sq_errors(LogSketch.from_values(values), [centres])[0] == pytest.approx(exact, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=300), data=st.data())
+def test_zeroing_by_a_bitwise_and_is_the_boolean_store(bits, data):
+    """``_zero_where`` writes +0.0 where the mask is set and leaves every other word, NaN
+    payloads and negative zeros included, as ``out[mask] = 0.0`` does."""
+    from inshrink_store.policy.partition import _zero_where
+
+    values = np.array(bits, np.uint32).view(np.float32)
+    mask = data.draw(st.lists(st.booleans(), min_size=values.size, max_size=values.size))
+    mask = np.array(mask, bool)
+    expected, got = values.copy(), values.copy()
+    expected[mask] = 0.0
+    _zero_where(got, mask)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 1000), protect=st.sampled_from([0.0, 0.005, 0.01]),
+       metric=st.sampled_from(["magnitude", "sensitivity"]))
+def test_a_shared_cache_plans_zeros_denormals_and_nan_as_no_cache(seed, protect, metric):
+    """Every configuration of one state planned through one cache (protected positions, sketch
+    codes made at a tensor's second sketch, pooled thresholds) gives the bits each gets alone."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((64, 96)) * 0.05).astype(np.float32)
+    w.ravel()[rng.integers(0, w.size, 300)] = 0.0
+    w.ravel()[rng.integers(0, w.size, 20)] = np.float32(3e-39)  # denormals
+    w.ravel()[rng.integers(0, w.size, 3)] = np.nan
+    s = np.abs(w * rng.standard_normal(w.shape)).astype(np.float32)
+    tensors = {"a": TensorInput(w, "F32", sensitivity=s), "b": TensorInput(w[::-1].copy(), "F32")}
+    cache = PartitionCache()
+    for bins, prune in [(4, 0.0), (8, 0.3), (16, 0.5), (8, 0.3), (6, 0.1)]:
+        config = QuantConfig(bins=bins, prune=prune, protect=protect, prune_metric=metric, min_numel=1024)
+        shared, alone = StateQuantizer(tensors, config, cache=cache), StateQuantizer(tensors, config)
+        assert shared.thresholds == alone.thresholds
+        for name in shared.names:
+            a, b = shared.quantize(name), alone.quantize(name)
+            assert np.array_equal(a.values.view(np.uint32), b.values.view(np.uint32))
+            assert a.codebook == b.codebook and a.stats == b.stats
+            pa, pb = shared.part(name), alone.part(name)
+            assert (pa.protected, pa.pruned, pa.size, pa.protected_bytes) == (pb.protected, pb.pruned, pb.size,
+                                                                               pb.protected_bytes)
+            for field in ("pos_keys", "pos_counts", "neg_keys", "neg_counts", "zero_count", "nonfinite_count"):
+                assert np.array_equal(getattr(pa.sketch, field), getattr(pb.sketch, field))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(0, 700), block=st.sampled_from([1, 7, 64, 1 << 16]),
+       threshold=st.sampled_from([None, 0.0, 0.01, 0.05]))
+def test_snapping_with_pruning_found_block_by_block_is_the_whole_mask_way(seed, n, block, threshold):
+    """_snap_pruned finding the pruned per block (|scores| <= threshold, protected kept) gives
+    the bits and count of the whole-mask way: nearest centre everywhere, then out[pruned] = 0."""
+    from inshrink_store.policy import partition as part_mod
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(n) * 0.05).astype(np.float32)
+    w[rng.integers(0, max(n, 1), n // 10)] = np.nan if n else 0.0
+    scores = np.abs(w * rng.standard_normal(n)).astype(np.float32)
+    scores[rng.integers(0, max(n, 1), n // 20)] = np.nan if n else 0.0
+    protected = np.flatnonzero(rng.random(n) < 0.05)
+    centres = np.sort(np.unique(np.concatenate([[0.0], rng.standard_normal(7) * 0.05])))
+    c32 = centres.astype(np.float32)
+    expected = c32[nearest_index(w, c32)] if n else np.zeros(0, np.float32)
+    mask = np.zeros(n, bool)
+    if threshold is not None:
+        mask = np.abs(scores) <= threshold
+        mask[protected] = False
+        expected[mask] = 0.0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(part_mod, "_SNAP_BLOCK", block)
+        by_block = part_mod._snap_pruned(w, centres, protected, None, None if threshold is None else scores, threshold)
+        by_mask = part_mod._snap_pruned(w, centres, protected, None if threshold is None else mask, None, None)
+    for got, count in (by_block, by_mask):
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+        assert count == int(np.count_nonzero(mask))

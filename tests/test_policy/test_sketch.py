@@ -199,3 +199,27 @@ def test_an_alpha_too_fine_for_the_table_takes_the_float64_road():
     alpha = 0.001  # buckets of 0.2 %: a table row (up to 0.8 %) would hold several edges
     assert sketch_mod._f32_tables(1.0 / math.log2((1 + alpha) / (1 - alpha))) is None
     assert _same(LogSketch.from_values(x, alpha), _float64_road(x, alpha=alpha))
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=_f32_values, data=st.data(), block=st.sampled_from([5, 1 << 16]))
+def test_keyed_values_sketch_any_subset_as_from_values_does(x, data, block):
+    """Codes found once, then a bincount per subset: the same sketch as ``from_values`` for
+    the whole and for any mask (denormals, zeros, NaN and infinities included)."""
+    masks = [None, *data.draw(st.lists(hnp.arrays(bool, x.shape), min_size=1, max_size=3))]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sketch_mod, "_CODES_BLOCK", block)
+        mp.setattr(sketch_mod, "_F32_BLOCK", block)
+        keyed = sketch_mod.KeyedValues(x.reshape(-1, 1) if x.size % 2 else x)
+        got = [keyed.sketch(m) for m in masks]
+    for mask, sketch in zip(masks, got, strict=True):
+        assert _same_typed(sketch, _float64_road(x, mask))
+
+
+def test_keyed_values_of_other_dtypes_fall_back_to_from_values():
+    x = np.random.default_rng(4).standard_normal(1000)
+    keyed = sketch_mod.KeyedValues(x)  # float64: no codes
+    mask = x > 0
+    assert _same(keyed.sketch(mask), LogSketch.from_values(x, mask=mask))
+    with pytest.raises(FormatError, match="mask of 1000 elements"):
+        sketch_mod.KeyedValues(x.astype(np.float32)).sketch(np.ones(10, bool))
