@@ -419,40 +419,61 @@ def search(measure_ratio: Callable[[SearchPoint], float], is_feasible: Callable[
 #
 # Evaluating a candidate (``eval_fn`` on the dequantized model) is what a save's search costs,
 # so a budgeted search ranks candidates by a cheap prediction and spends its few evaluations
-# confirming one. The prediction: each candidate's weighted reconstruction error ``E``
-# (estimated from the same sample of each tensor as its ratio; the caller's), and a fit of the
-# relative quality drop against ``E`` over the evaluations already made in the run (a line
-# through the origin, refitted after every evaluation). A candidate is predicted feasible
-# when ``E`` is under a threshold ``theta``; the candidate of ``theta`` is the highest-ratio
-# point with ``E <= theta`` (the branch and bound above, with ``E <= theta`` instead of an
-# evaluation). Only evaluated points are ever chosen.
+# confirming one. Each candidate has a predicted error ``E`` (estimated from the same sample of
+# each tensor as its ratio; the caller's), and quality falls as ``E`` grows, so the search
+# brackets the error the model tolerates: the first guess is where a fit of the run's
+# evaluations (the relative drop against ``E``, a line through the origin, recent saves
+# weighing most) reaches the tolerance, a little inside; each evaluation moves one side of the
+# bracket and refits the line; a guess outside the bracket falls back to its middle. Only
+# evaluated points are ever chosen.
 
-#: evaluations of the run the predictor fits (the newest; the model changes as it trains)
+#: evaluations of the run the predictor keeps (the newest; the model changes as it trains)
 PREDICTOR_WINDOW = 16
-#: how far the threshold moves past what was confirmed when the fit cannot say (a factor on E:
-#: about one step of the levels axis, whose squared error grows ~4x per halving)
+#: how much a save's evaluation outweighs one of the save before it in the predictor's fit: the
+#: drop per unit of error grew 20x over the evaluation's LM run (a trained model is touchier)
+RECENCY = 2.0
+#: where the first guess of a save aims: this fraction of the error the fit says reaches the
+#: tolerance (a guess right at the edge of the fit fails about half the time)
+MARGIN = 0.7
+#: how far the bracket moves past its one known side (a factor on E: about one step of the
+#: levels axis, whose squared error grows ~4x per halving)
 GROW = 4.0
-#: thresholds tried in a row that bring no untried candidate before the search calls it converged
-_IDLE = 6
+#: the bracket counts as closed when its ends are this close (a factor on E)
+_CLOSED = 1.05
+#: rounds of one search at most (evaluations and thresholds that brought nothing new together)
+_ROUNDS = 40
 
 
 class QualityPredictor:
     """The relative quality drop a candidate costs, predicted from its error ``E``: ``k * E``,
-    ``k`` fitted by least squares through the origin on the run's evaluations (drops below 0,
-    noise, count as 0). Deterministic: the same evaluations, the same predictions."""
+    ``k`` fitted by weighted least squares through the origin on the run's evaluations (drops
+    below 0, noise, count as 0); an evaluation of an earlier save weighs :data:`RECENCY` times
+    less per save between. Deterministic: the same evaluations, the same predictions."""
 
     def __init__(self) -> None:
-        self.points: list[tuple[float, float]] = []  # (E, relative drop), oldest first
+        self.points: list[tuple[float, float, int]] = []  # (E, relative drop, save), oldest first
+        self.save = 0
+        self._budget: SaveBudget | None = None  # the save the newest evaluations belong to
+
+    def begin(self, budget: SaveBudget) -> None:
+        """Evaluations from now on belong to the save of ``budget`` (a new save outweighs the
+        ones before; a second search of the same save, e.g. keyframes after residuals, not)."""
+        if budget is not self._budget:
+            self._budget = budget
+            self.save += 1
 
     def add(self, error: float, drop: float) -> None:
-        self.points.append((float(error), float(drop)))
+        self.points.append((float(error), float(drop), self.save))
         del self.points[:-PREDICTOR_WINDOW]
 
     @property
     def slope(self) -> float | None:
         """``k`` (None: no evaluation has shown a drop yet)."""
-        den = sum(e * e for e, _ in self.points)
-        num = sum(e * max(d, 0.0) for e, d in self.points)
+        den = num = 0.0
+        for e, d, save in self.points:
+            w = RECENCY ** -(self.save - save)
+            den += w * e * e
+            num += w * e * max(d, 0.0)
         return None if den <= 0 or num <= 0 else num / den
 
     def predict(self, error: float) -> float | None:
@@ -463,12 +484,6 @@ class QualityPredictor:
         """The error at which the fit reaches ``tolerance`` (inf: no drop seen yet)."""
         k = self.slope
         return math.inf if k is None else tolerance / k
-
-    def bounds(self, tolerance: float) -> tuple[float, float]:
-        """(highest E that held, lowest E that did not) among the run's evaluations."""
-        held = [e for e, d in self.points if d <= tolerance]
-        broke = [e for e, d in self.points if d > tolerance]
-        return max(held, default=0.0), min(broke, default=math.inf)
 
 
 class SaveBudget:
@@ -484,6 +499,13 @@ class SaveBudget:
         #: calls kept back for a later search of the same save (the keyframes after residuals)
         self.reserve = 0
         self._start = time.perf_counter()
+
+    def widen(self, max_evals: int | None, kind: str) -> None:
+        """Allow ``max_evals`` calls in all (never fewer than now): a keyframe search within a
+        later save gets the first save's count, since nothing near it was confirmed."""
+        if self.max_evals is not None:
+            self.max_evals = None if max_evals is None else max(self.max_evals, max_evals)
+        self.kind = kind
 
     def stop_reason(self) -> str | None:
         """Why no further call may start (None: one may)."""
@@ -520,15 +542,18 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
     """The highest-ratio point confirmed feasible within ``budget`` (None: none confirmed).
 
     ``evaluate(point)`` runs ``eval_fn`` on the point's model and returns (within tolerance,
-    quality, relative drop); ``measure_error(point)`` is its predicted error ``E``. With an
-    empty ``predictor`` (the run's first search) the first threshold is ``start_error``; with
-    evaluations from earlier saves it is where the fitted line reaches the tolerance (at most
-    :data:`GROW` past the highest error that held), and the candidates are those within one
-    step of ``previous`` on each axis when given. Each evaluation refits the line: a confirmed
-    candidate moves the threshold up (the fit, or GROW past it), a refused one down into the
-    bracket (the safe fallback) and rules out every point at least as aggressive on the
-    cube's axes. When no untried candidate at the threshold can beat the best confirmed
-    ratio, the threshold rises by GROW (at most six times in a row). The result is the
+    quality, relative drop); ``measure_error(point)`` is its predicted error ``E``. The
+    candidate of a threshold ``theta`` is the highest-ratio point with ``E <= theta`` that is
+    not at least as aggressive as a refused one, in the whole cube, or, when ``previous`` is
+    given and the run has evaluations, within one step of it on each axis (found by the branch
+    and bound above, so only the errors it needs are measured). The search keeps a bracket on
+    ``E``: below ``lo`` nothing beats the best confirmed point, ``hi`` is the least error
+    refused. Each round's ``theta`` is where the fit reaches the tolerance (a save's first
+    guess :data:`MARGIN` inside it; with no fit yet, ``start_error``), or the bracket's
+    geometric middle when that lies outside it; a threshold whose candidate is nothing new
+    raises ``lo`` to it without an evaluation. A later save's neighbourhood search stops as
+    soon as the fit predicts that nothing above its confirmed point holds; a first or keyframe
+    search narrows the bracket until the budget ends or the bracket closes. The result is the
     best-ratio *evaluated* feasible point: a prediction alone never chooses.
     """
     space = space if space is not None else SearchSpace()
@@ -537,6 +562,7 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
         raise FormatError(f"Expected metrics_available to share a metric with {space.metrics}. Got "
                           f"{tuple(metrics_available)} instead. Pass ('magnitude',) at least.")
     later = bool(predictor.points)
+    predictor.begin(budget)
     prev = None
     if previous is not None:
         prev = previous if isinstance(previous, SearchPoint) else SearchPoint.of(previous)
@@ -573,49 +599,36 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
                 found = ev.best
         return found
 
-    def next_theta(lo: float, hi: float) -> float:
-        """Where the refitted line reaches the tolerance, when that is inside the bracket (and,
-        with nothing refused yet, at most GROW past the highest confirmed); else the
-        bracket's geometric middle, or GROW past / short of its one known side."""
-        fit = predictor.threshold(tolerance)
+    def middle(lo: float, hi: float) -> float:
         if math.isinf(hi):
-            return min(fit, lo * GROW) if lo < fit and lo > 0 else (lo * GROW if lo > 0 else start_error)
-        if lo < fit < hi:
-            return fit
+            return lo * GROW if lo > 0 else start_error
         return math.sqrt(lo * hi) if lo > 0 else hi / GROW
 
-    before = budget.calls
-    held_lo, held_hi = predictor.bounds(tolerance)
-    if later:  # the fit, inside what the run has seen hold and break, at most GROW past the held
-        theta = predictor.threshold(tolerance)
-        if held_hi < math.inf:
-            theta = min(theta, math.nextafter(held_hi, 0.0))
-        if held_lo > 0:
-            theta = min(max(theta, held_lo) if held_lo < held_hi else theta, held_lo * GROW)
-        if math.isinf(theta):
-            theta = start_error
-    else:
-        theta = start_error
-    corner = (0, 0, 0) if box is None else box[0]  # the least aggressive point searched
-    lo, hi = 0.0, math.inf  # this search's highest confirmed / lowest refused error
+    explore = box is None
+    lo, hi = 0.0, math.inf
     best: SearchPoint | None = None
-    stopped, idle = "converged", 0
-    while True:
+    before = budget.calls
+    stopped = "converged"
+    first_guess = True
+    for _ in range(_ROUNDS):
+        if not math.isinf(hi) and lo > 0 and hi <= lo * _CLOSED:
+            break  # the bracket closed: nothing untried lies between
         reason = budget.stop_reason()
         if reason is not None:
             stopped = reason
             break
+        theta = predictor.threshold(tolerance) * (MARGIN if first_guess else 1.0)
+        if math.isinf(theta):
+            theta = start_error if first_guess else math.inf
+        first_guess = False
+        if not lo < theta < hi:
+            if theta <= lo and best is not None and not explore:
+                break  # the fit says nothing above the confirmed point holds
+            theta = middle(lo, hi)
         c = candidate(theta)
         if c is None or c in trials or (best is not None and ratio(c) <= ratio(best)):
-            idle += 1  # nothing untried that could beat the best at theta: raise it
-            if idle >= _IDLE:
-                break
-            if c is None:  # under every allowed point's error: from the least error there is
-                theta = max(theta * GROW, min(error(space.point(corner, m)) for m in metrics))
-            else:
-                theta *= GROW
+            lo = max(lo, theta)  # below theta nothing beats the best: look higher
             continue
-        idle = 0
         expected = predictor.predict(error(c))
         ok, quality, drop = evaluate(c)
         trials[c] = Trial(c, ratio(c), float(quality), bool(ok), error(c), expected)
@@ -628,6 +641,5 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
         else:
             hi = min(hi, error(c))
             refused.setdefault(c.prune_metric, []).append(space.index(c))
-        theta = next_theta(lo, hi)
     listed = [trials.get(p, Trial(p, r, error=errors.get(p))) for p, r in ratios.items()]
     return SearchResult(best, listed, "predicted", budget.spent(before, stopped))

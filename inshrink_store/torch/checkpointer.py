@@ -472,6 +472,8 @@ class Checkpointer:
             # one budget for the whole save: residuals keep a call back for the keyframes
             budget = self.policy.save_budget(first=self._previous is None and not self._predictor.points)
             budget.reserve = 1 if loop is not None and loop.bases else 0
+            if loop is not None and not loop.bases and budget.kind == "later":
+                self.policy.widen_for_keyframes(budget)  # a chain's new keyframe
             decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent, budget)
             if loop is not None and loop.bases and decision.record.config is None \
                     and decision.record.search is not None:
@@ -481,6 +483,7 @@ class Checkpointer:
                 log.info("checkpoint at step %s: no closed-loop residual within tolerance; searching keyframes",
                          job.step)
                 spent, budget.reserve = evaluate, 0
+                self.policy.widen_for_keyframes(budget)
                 decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes(), parent, budget)
                 if evaluate is not None and spent is not None:
                     evaluate.calls, evaluate.seconds = evaluate.calls + spent.calls, evaluate.seconds + spent.seconds

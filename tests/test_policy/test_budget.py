@@ -21,6 +21,7 @@ from inshrink_store.errors import FormatError
 from inshrink_store.policy import Candidates, QuantizationRecord, SearchPolicy
 from inshrink_store.policy.search import (
     PREDICTOR_WINDOW,
+    RECENCY,
     QualityPredictor,
     SaveBudget,
     SearchPoint,
@@ -130,6 +131,7 @@ def test_a_first_save_finds_most_of_the_optimum(cube: Cube) -> None:
 def test_the_predictor_ranks_by_a_line_through_the_run_s_evaluations() -> None:
     p = QualityPredictor()
     assert p.slope is None and p.threshold(0.05) == math.inf and p.predict(1.0) is None
+    p.begin(SaveBudget(8))
     p.add(0.01, 0.02)
     p.add(0.02, 0.04)
     assert p.slope == pytest.approx(2.0)
@@ -137,10 +139,27 @@ def test_the_predictor_ranks_by_a_line_through_the_run_s_evaluations() -> None:
     assert p.predict(0.03) == pytest.approx(0.06)
     p.add(0.001, -0.5)  # noise below the baseline counts as no drop
     assert p.slope == pytest.approx((0.01 * 0.02 + 0.02 * 0.04) / (0.01**2 + 0.02**2 + 0.001**2))
-    assert p.bounds(0.03) == (0.01, 0.02)  # (highest error that held, lowest that did not)
     for i in range(PREDICTOR_WINDOW + 3):
         p.add(1.0 + i, 0.0)
     assert len(p.points) == PREDICTOR_WINDOW  # the newest evaluations only
+
+
+def test_the_predictor_weighs_the_newest_save_most() -> None:
+    """A model grows touchier as it trains: an evaluation of this save outweighs one of the
+    save before by RECENCY, so the fit follows the newest slope; a second search of the same
+    save (keyframes after residuals) does not age the save's own evaluations."""
+    p = QualityPredictor()
+    p.begin(SaveBudget(8))
+    p.add(0.01, 0.01)  # slope 1
+    budget = SaveBudget(3, kind="later")
+    p.begin(budget)
+    p.add(0.01, 0.10)  # slope 10
+    w = 1 / RECENCY
+    assert p.slope == pytest.approx((w * 0.01 * 0.01 + 0.01 * 0.10) / (w * 0.01**2 + 0.01**2))
+    assert p.slope > 5.5  # nearer the newest save's 10 than the plain mean
+    before = p.slope
+    p.begin(budget)  # the same save again
+    assert p.slope == before
 
 
 def test_an_exact_predictor_confirms_the_optimum_at_once_on_a_later_save() -> None:
@@ -163,6 +182,18 @@ def test_when_the_budget_runs_out_before_a_confirmation_nothing_is_chosen() -> N
     assert result.best is None
     assert budget.calls == 3 and result.budget is not None and result.budget.stopped == "calls"
     assert all(t.feasible is False for t in result.trials if t.feasible is not None)
+
+
+def test_a_refusal_of_the_safest_point_ends_the_search_with_nothing() -> None:
+    """With budget to spare, the search narrows down to the least-error point; when even that
+    is refused, nothing is chosen (the caller stores lossless) and the budget is not all spent."""
+    cube = Cube(seed=1, k=1e6, bend=0.0, jitter=0.0)
+    budget = SaveBudget(20)
+    result = _search(cube, budget, QualityPredictor())
+    assert result.best is None and result.budget is not None and result.budget.stopped == "converged"
+    safest = min(SPACE.points(), key=cube.error)
+    assert any(t.point == safest and t.feasible is False for t in result.trials)
+    assert budget.calls < 20
 
 
 def test_same_inputs_same_decisions() -> None:
@@ -284,8 +315,13 @@ def test_bad_max_seconds_are_refused(bad: Any) -> None:
 def test_max_evals_forms() -> None:
     assert SearchPolicy(max_evals=5).max_evals == (5, 5)
     assert SearchPolicy(max_evals=(10, 2)).max_evals == (10, 2)
-    assert not SearchPolicy().budgeted  # the exhaustive search stays the default for now
+    assert SearchPolicy().budgeted and SearchPolicy().max_evals == MAX_EVALS  # the default
     assert not SearchPolicy(max_evals=None).budgeted
     assert not SearchPolicy(max_evaluations=4).budgeted  # the exhaustive search's cap selects it
     budget = SearchPolicy(max_evals=(10, 2)).save_budget(first=False)
     assert budget.max_evals == 2 and budget.kind == "later"
+    SearchPolicy(max_evals=(10, 2)).widen_for_keyframes(budget)  # a keyframe within a later save
+    assert budget.max_evals == 10 and budget.kind == "keyframe"
+    unbounded = SearchPolicy(max_evals=None).save_budget(first=False)
+    SearchPolicy(max_evals=None).widen_for_keyframes(unbounded)
+    assert unbounded.max_evals is None

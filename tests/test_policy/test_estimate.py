@@ -142,7 +142,7 @@ def test_ratios_are_estimated_without_quantizing_and_rank_like_measurements(monk
 
 def test_a_later_checkpoint_whose_previous_point_holds_plans_one_candidate(monkeypatch: Any) -> None:
     tensors, dtypes, sensitivity = _state()
-    policy = SearchPolicy(tolerance=0.5, optimizer=None)
+    policy = SearchPolicy(tolerance=0.5, optimizer=None, max_evals=None)  # the exhaustive search
     candidates = Candidates(tensors, dtypes, {}, sensitivity=sensitivity)
     planned: list[QuantConfig] = []
     original = candidates.plans
@@ -212,7 +212,7 @@ def test_the_first_checkpoint_stores_the_best_measured_of_the_close_feasible_poi
 
     tensors, dtypes, sensitivity = _state(seed=6)
     space = SearchSpace(bins=(6, 8), prune=(0.0,), metrics=("magnitude",), protect=(0.005,))
-    policy = SearchPolicy(tolerance=1.0, optimizer=None, space=space)
+    policy = SearchPolicy(tolerance=1.0, optimizer=None, space=space, max_evals=None)  # the exhaustive search
 
     class Biased(Candidates):
         def ratio(self, config: QuantConfig) -> float:  # 8 levels estimated above 6 levels
