@@ -39,7 +39,7 @@ from inshrink_store.writer import write_threads
 
 __all__ = [
     "LAYER_TYPES", "Part", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
-    "fresh_codebook", "part_key", "protected_mask", "protected_words", "prune_thresholds", "quantize_state",
+    "fresh_codebook", "part_key", "protected_mask", "protected_positions", "protected_words", "prune_thresholds", "quantize_state",
     "quantize_tensor", "sample_index", "tensor_part",
 ]
 
@@ -515,13 +515,41 @@ class PartitionCache:
         return self._codebooks[key]
 
 
+def protected_positions(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float, *,
+                        cache: PartitionCache | None = None, name: str | None = None) -> np.ndarray:
+    """``np.flatnonzero(protected_mask(values, sensitivity, fraction, ...))``, found block by
+    block against the same cuts: no mask of the tensor's size is made (the positions are a
+    percent or two of it)."""
+    flat = np.asarray(values).reshape(-1)
+    count = int(round(fraction * flat.size))
+    sources = []
+    if count > 0:
+        for which, source in (("values", values), ("sensitivity", sensitivity)):
+            if source is None:
+                continue
+            array = np.asarray(source)
+            if cache is not None and name is not None:
+                cut = cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
+            else:
+                cut = _top_cut(array, count)
+            sources.append((array.reshape(-1), cut))
+    found = [np.zeros(0, np.intp)]
+    for s in range(0, flat.size, _SNAP_BLOCK):
+        e = min(s + _SNAP_BLOCK, flat.size)
+        mask = ~np.isfinite(flat[s:e])
+        for array, cut in sources:  # as _top_mask compares
+            mag = np.abs(array[s:e])
+            mask |= (mag > 0) if cut <= 0 else (mag >= cut)
+        found.append(np.flatnonzero(mask) + s)
+    return np.concatenate(found)
+
+
 def _protected_positions(w: np.ndarray, t: TensorInput, config: QuantSettings, cache: PartitionCache | None,
                          name: str | None) -> np.ndarray:
     """Sorted flat positions of :func:`protected_mask` (with ``cache`` and ``name``, found once
     per protect fraction: the fraction and the tensor fix them)."""
     def build() -> np.ndarray:
-        found: np.ndarray = np.flatnonzero(protected_mask(w, t.sensitivity, config.protect, cache=cache, name=name))
-        return found
+        return protected_positions(w, t.sensitivity, config.protect, cache=cache, name=name)
 
     if cache is None or name is None:
         return build()

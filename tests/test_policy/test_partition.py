@@ -505,3 +505,26 @@ def test_snapping_with_pruning_found_block_by_block_is_the_whole_mask_way(seed, 
     for got, count in (by_block, by_mask):
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
         assert count == int(np.count_nonzero(mask))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(0, 600), block=st.sampled_from([1, 13, 1 << 16]),
+       fraction=st.sampled_from([0.0, 0.005, 0.05, 0.3]), half=st.booleans(), sens=st.booleans())
+def test_protected_positions_block_by_block_are_the_masks(seed, n, block, fraction, half, sens):
+    """The protected positions found block by block are ``flatnonzero`` of protected_mask:
+    non-finite values, ties at the cuts, zeros, float16 values against float32 cuts."""
+    from inshrink_store.policy import partition as part_mod
+    from inshrink_store.policy.partition import protected_positions
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(n) * 0.05).astype(np.float16 if half else np.float32)
+    w[rng.integers(0, max(n, 1), n // 8)] = 0.0 if n else 0.0
+    if n > 3:
+        w[:3] = [np.nan, np.inf, w[5]]  # a tie too
+    s = np.abs(w.astype(np.float32) * rng.standard_normal(n)).astype(np.float32) if sens else None
+    expected = np.flatnonzero(protected_mask(w, s, fraction))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(part_mod, "_SNAP_BLOCK", block)
+        got = protected_positions(w, s, fraction)
+        cached = protected_positions(w, s, fraction, cache=PartitionCache(), name="w")
+    assert np.array_equal(got, expected) and np.array_equal(cached, expected) and got.dtype == np.intp
