@@ -110,7 +110,10 @@ def train(steps: int, every: int | None, repo: Any, fail_at: int | None, toleran
     xtr, ytr, xte, yte = load_digits_split()
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    eval_x, eval_y = xte[:200], yte[:200]
+    # the search's eval_fn judges the tolerance on the whole held-out split, the one the report
+    # shows: on 200 of its samples (one sample = 0.5 %), versions at the tolerance's edge there
+    # were 2-3 % worse on the rest (the budgeted search finds that edge)
+    eval_x, eval_y = xte, yte
     ck = None
     if repo is not None:
         ck = Checkpointer(repo, model, opt, eval_fn=lambda m: _accuracy(m, eval_x, eval_y), every=every,
