@@ -210,8 +210,10 @@ class SnapshotReader:
             return False
         return True
 
-    def read(self, name: str) -> np.ndarray:
-        """The stored array (BF16 as uint16 bit patterns), decoded in full.
+    def read(self, name: str, *, writable: bool = True) -> np.ndarray:
+        """The stored array (BF16 as uint16 bit patterns), decoded in full. ``writable=False``
+        allows a read-only array (no copy of a one-chunk tensor's decoded bytes: for readers
+        that only look, such as ``diff --values``).
 
         Before allocating, an array over :data:`SPARSE_LIMIT` bytes must be backed by chunk
         objects that can hold it: each chunk may decode to at most
@@ -224,7 +226,7 @@ class SnapshotReader:
         whole = self._whole_plan(path)
         if whole is not None:
             return self._zarr(f"tensor {path!r}", lambda: whole.read(
-                lambda key: self.view.get(f"{path}/{key}"), self._map_chunks))
+                lambda key: self.view.get(f"{path}/{key}"), self._map_chunks, writable))
         array = self[path]
         if math.prod(info.shape) == 0:
             return np.zeros(info.shape, dtype=array.dtype)
@@ -267,12 +269,13 @@ class SnapshotReader:
                     "allocate it). Run `inshrink verify`."
                 )
 
-    def read_float(self, name: str) -> np.ndarray:
+    def read_float(self, name: str, *, writable: bool = True) -> np.ndarray:
         """Values as float (dtypes carried as bits, such as BF16, widened to float32), for
         statistics and comparisons. Complex tensors come back complex: they have no float
-        value, and a cast to float would drop the imaginary part."""
+        value, and a cast to float would drop the imaginary part. ``writable``: as for
+        :meth:`read`."""
         path = self.resolve_name(name)
-        data = self.read(path)
+        data = self.read(path, writable=writable)
         entry = dtypes.REGISTRY.get(self._info(path).dtype)
         if entry is not None and entry.carried_as_bits:
             return entry.to_float32(data)

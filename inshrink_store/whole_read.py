@@ -74,13 +74,17 @@ class WholeArray:
         return values
 
     def read(self, fetch: Callable[[str], bytes | None],
-             run: Callable[[Callable[[Any], np.ndarray], Sequence[Any]], list[np.ndarray]]) -> np.ndarray:
+             run: Callable[[Callable[[Any], np.ndarray], Sequence[Any]], list[np.ndarray]],
+             writable: bool = True) -> np.ndarray:
         """The whole array: ``fetch(chunk key)`` gives a chunk's stored bytes (or None),
-        ``run(fn, items)`` maps over the chunks (in order; a thread pool or a plain loop)."""
+        ``run(fn, items)`` maps over the chunks (in order; a thread pool or a plain loop).
+        ``writable=False``: an array of one chunk may come back read-only (the decoded bytes
+        themselves, not a copy of them)."""
         keys = self.keys()
         if len(keys) == 1 and self.chunks == self.shape:  # one chunk is the array: no copy
             values = self.decode(fetch(keys[0][1]))
-            return values if values.flags.writeable and values.flags.c_contiguous else values.copy()
+            keep = values.flags.c_contiguous and (values.flags.writeable or not writable)
+            return values if keep else values.copy()
         out = np.empty(self.shape, dtype=self.dtype)
 
         def place(item: tuple[tuple[int, ...], str]) -> np.ndarray:

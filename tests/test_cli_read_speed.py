@@ -171,7 +171,83 @@ def test_diff_values_on_a_chained_store(memory_url: str) -> None:
     a, b = repo.checkout("main~1"), repo.checkout("main")
     for change in report.tensors:
         if change.dtype_a == "F32":
-            assert (change.max_abs_change, change.rel_l2_change) == _reference_change(
-                a.read_float(change.path), b.read_float(change.path))
+            max_abs, rel = _reference_change(a.read_float(change.path), b.read_float(change.path))
+            assert change.max_abs_change == max_abs
+            # model/big (90,000 values) takes the blockwise sums: the same sum in another order
+            assert change.rel_l2_change == pytest.approx(rel, rel=1e-12, abs=0)
         else:
             assert change.bytes_changed is False
+
+
+def _same_figures(got: tuple[float, float], expected: tuple[float, float]) -> bool:
+    """Equal figures, NaN equal to NaN (a float64 overflow on both sides gives inf / inf)."""
+    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_blockwise_change_gives_the_masked_figures(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """A tensor of several blocks whose values are all finite takes the blockwise pass: the
+    max is the very figure, the relative norm the same sum in another order."""
+    monkeypatch.setattr(diff_module, "_BLOCK", 16)  # 16 values a block: many blocks, a partial last one
+    rng = np.random.default_rng(seed)
+    size = [17, 100, 1000, 4099][seed % 4]
+    dtype_a = [np.float32, np.float16, np.float64][seed % 3]
+    dtype_b = dtype_a if seed % 2 else [np.float64, np.float32, np.float16][seed % 3]
+    a = (rng.standard_normal(size) * [1, 1e-3, 1e3][seed % 3]).astype(dtype_a)
+    b = (a + rng.standard_normal(size) * [1e-4, 1e-2, 0][seed % 3]).astype(dtype_b)
+    if seed % 5 == 0:
+        b[: size // 2] = a[: size // 2]  # half the values unchanged: they add nothing
+    if seed % 7 == 0:
+        a[:] = 0  # a's norm 0: unbounded unless nothing changed
+    got = diff_module._real_change(a.reshape(-1, 1) if size % 2 == 0 else a, b)
+    assert diff_module._finite_change(a, b) == got  # the blockwise pass gave it
+    expected = _reference_change(a, b)
+    assert got[0] == expected[0]
+    assert got[1] == pytest.approx(expected[1], rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("case", ["steady inf", "new nan", "inf leaves", "float64 overflow", "square overflow",
+                                  "all equal"])
+def test_blockwise_change_leaves_non_finite_tensors_to_the_masked_passes(
+        monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """An inf or NaN anywhere (or a float64 difference or square that overflows) sends the
+    whole tensor to the masked passes: the figures they always gave, to the bit."""
+    monkeypatch.setattr(diff_module, "_BLOCK", 16)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(200)
+    b = a + 1e-3
+    if case == "steady inf":
+        a[150] = b[150] = np.inf
+    elif case == "new nan":
+        b[40] = np.nan
+    elif case == "inf leaves":
+        a[199] = -np.inf
+    elif case == "float64 overflow":
+        a[7], b[7] = -1e308, 1e308
+    elif case == "square overflow":
+        b[9] = a[9] + 1e200
+    else:
+        b = a.copy()
+    got = diff_module._real_change(a, b)
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert _same_figures(got, _reference_change(a, b))
+    assert _same_figures(got, diff_module._masked_change(a, b))
+    if case == "all equal":
+        assert got == (0.0, 0.0)
+    else:
+        assert diff_module._finite_change(a, b) is None
+
+
+def test_a_read_only_read_gives_the_same_values(memory_url: str) -> None:
+    """``read(writable=False)`` (what diff --values reads with) may skip the copy of a one-chunk
+    tensor's decoded bytes: the same values, and the default read stays writable."""
+    repo = _chained(memory_url)
+    reader = repo.checkout("main")
+    for path in reader.names():
+        kept = reader.read(path)
+        looked = reader.read(path, writable=False)
+        assert kept.flags.writeable and kept.flags.c_contiguous
+        assert looked.flags.c_contiguous and looked.dtype == kept.dtype and looked.shape == kept.shape
+        assert looked.tobytes() == kept.tobytes()
+        assert reader.read_float(path, writable=False).tobytes() == reader.read_float(path).tobytes()
+    assert not reader.read("model/w0", writable=False).flags.writeable  # one chunk: the decoded bytes

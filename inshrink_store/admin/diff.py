@@ -132,7 +132,7 @@ def _exact(dtype: str | None) -> bool:
 
 
 def _bytes_differ(a: SnapshotReader, b: SnapshotReader, path: str) -> bool:
-    return not np.array_equal(a.read(path), b.read(path))
+    return not np.array_equal(a.read(path, writable=False), b.read(path, writable=False))
 
 
 def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tuple[float, float]:
@@ -146,7 +146,7 @@ def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tup
     the real part alone (a cast to float drops the imaginary part)."""
     if b is None:
         return 0.0, 0.0
-    raw_a, raw_b = a.read_float(path), b.read_float(path)
+    raw_a, raw_b = a.read_float(path, writable=False), b.read_float(path, writable=False)  # only looked at
     if raw_a.size == 0:
         return 0.0, 0.0
     if not (np.iscomplexobj(raw_a) or np.iscomplexobj(raw_b)):
@@ -163,12 +163,63 @@ def _value_change(a: SnapshotReader, b: SnapshotReader | None, path: str) -> tup
     return max_abs, rel
 
 
+#: elements per block of :func:`_finite_change` (two float64 buffers of 512 KiB: they stay in
+#: a core's cache while a block is subtracted, squared and summed)
+_BLOCK = 1 << 16
+
+
 def _real_change(raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[float, float]:
-    """:func:`_value_change` of two real tensors, the same figures from fewer passes: which
-    elements are equal is found in the tensors' own dtype (a widening to float64 is exact, so
-    it keeps every equality and NaN), and only the elements that differ are widened (in the
-    same order, so the sums are the very same). Why: the widened copies of whole tensors and
-    the passes over them took more time than reading the tensors (issue 43, item 10)."""
+    """:func:`_value_change` of two real tensors. A tensor of more than one block whose
+    values are all finite takes :func:`_finite_change` (one pass, block by block); a small
+    one, or one holding inf or NaN, the passes below."""
+    if raw_a.size > _BLOCK:
+        figures = _finite_change(raw_a.reshape(-1), raw_b.reshape(-1))
+        if figures is not None:
+            return figures
+    return _masked_change(raw_a, raw_b)
+
+
+def _finite_change(a: np.ndarray, b: np.ndarray) -> tuple[float, float] | None:
+    """:func:`_masked_change`'s figures of two flat real tensors whose values are all finite,
+    or None when a value is not (or a figure would overflow): those take the masked passes.
+
+    Block by block, ``b - a`` in float64 (a widening to float64 is exact, so the difference is
+    the very one the masked passes take, and an equal element's is 0: it adds nothing to the
+    max or the sums); its largest magnitude, and the sums of its squares and of ``a``'s, in
+    float64. A block whose largest ``|b - a|`` is not finite holds an inf or NaN on one side
+    (or a float64 difference overflowed). The max is the same figure; the norms are the same
+    sums added in another order (blocks, numpy's pairwise sums instead of BLAS's dot), so
+    they may differ in the last bits. Why: the masked passes (masks, a boolean gather of both
+    tensors, whole float64 copies) and BLAS's threads took more CPU than reading the tensors
+    (issue 43, item 10)."""
+    size = a.size
+    delta = np.empty(min(size, _BLOCK), np.float64)
+    square = np.empty_like(delta)
+    max_abs = squares_delta = squares_a = 0.0
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, an overflow: found below, not warned
+        for start in range(0, size, _BLOCK):
+            stop = min(start + _BLOCK, size)
+            d, s = delta[:stop - start], square[:stop - start]
+            np.subtract(b[start:stop], a[start:stop], out=d, dtype=np.float64)
+            np.abs(d, out=d)
+            top = float(d.max())
+            if not math.isfinite(top):
+                return None
+            max_abs = max(max_abs, top)
+            squares_delta += float(np.add.reduce(np.square(d, out=d)))
+            squares_a += float(np.add.reduce(np.square(a[start:stop], out=s, dtype=np.float64)))
+    if not (math.isfinite(squares_delta) and math.isfinite(squares_a)):
+        return None
+    norm = math.sqrt(squares_a)
+    rel = math.sqrt(squares_delta) / norm if norm > 0 else (0.0 if max_abs == 0 else math.inf)
+    return max_abs, rel
+
+
+def _masked_change(raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[float, float]:
+    """:func:`_real_change` by masks, any values: which elements are equal is found in the
+    tensors' own dtype (a widening to float64 is exact, so it keeps every equality and NaN),
+    and only the elements that differ are widened (in the same order, so the sums are the very
+    same as over whole widened tensors)."""
     same = raw_a == raw_b
     same |= np.isnan(raw_a) & np.isnan(raw_b)
     if same.all():
@@ -179,9 +230,10 @@ def _real_change(raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[float, float]:
         if not (np.isfinite(changed_a).all() and np.isfinite(changed_b).all()):
             return math.inf, math.inf
         changed_a, changed_b = changed_a.astype(np.float64), changed_b.astype(np.float64)
-    delta = np.abs(changed_b - changed_a)
-    max_abs = float(delta.max()) if delta.size else 0.0
-    finite = np.isfinite(raw_a)
-    norm = float(np.linalg.norm((raw_a if finite.all() else raw_a[finite]).astype(np.float64).reshape(-1)))
-    rel = float(np.linalg.norm(delta) / norm) if norm > 0 else (0.0 if max_abs == 0 else math.inf)
+    with np.errstate(over="ignore", invalid="ignore"):  # float64 values past 1e308 apart: inf, not a warning
+        delta = np.abs(changed_b - changed_a)
+        max_abs = float(delta.max()) if delta.size else 0.0
+        finite = np.isfinite(raw_a)
+        norm = float(np.linalg.norm((raw_a if finite.all() else raw_a[finite]).astype(np.float64).reshape(-1)))
+        rel = float(np.linalg.norm(delta) / norm) if norm > 0 else (0.0 if max_abs == 0 else math.inf)
     return max_abs, rel
