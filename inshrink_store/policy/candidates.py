@@ -212,8 +212,9 @@ def _sample_error(sample: TensorSample, codebook: np.ndarray, reference: np.ndar
     q[sample.pruned] = 0.0
     q[sample.protected] = x[sample.protected]
     index = sample_index(sample.size)
-    r = x if reference is None else np.asarray(reference, np.float64).ravel()[index]
-    w = np.ones_like(x) if weights is None else np.abs(np.asarray(weights, np.float64).ravel()[index])
+    # gathered, then widened (exact either way): not a float64 copy of the whole tensor per call
+    r = x if reference is None else np.asarray(np.asarray(reference).ravel()[index], np.float64)
+    w = np.ones_like(x) if weights is None else np.abs(np.asarray(np.asarray(weights).ravel()[index], np.float64))
     den = float(np.sum(w * r * r))
     if den <= 0:
         w, den = np.ones_like(x), float(np.sum(r * r))

@@ -468,7 +468,8 @@ class PartitionCache:
     and three passes over the tensor for every configuration), per layer type the pooled
     sketch of the prune scores (:func:`prune_thresholds`), and per tensor sketched more than
     once its sketch codes (:meth:`values_sketch`: 2 bytes an element, so that every further
-    sketch of a part of it is a bincount)."""
+    sketch of a part of it is a bincount), and the pieces of its default sample
+    (:meth:`sample_piece`: the estimates of every configuration read the same elements)."""
 
     def __init__(self) -> None:
         self._sketches: dict[tuple[Any, ...], LogSketch] = {}
@@ -476,6 +477,7 @@ class PartitionCache:
         self._codebooks: dict[tuple[Any, ...], Any] = {}
         self._positions: dict[tuple[Any, ...], np.ndarray] = {}
         self._keyed: dict[str, KeyedValues | None] = {}
+        self._samples: dict[tuple[Any, ...], np.ndarray] = {}
 
     def values_sketch(self, name: str, values: np.ndarray, mask: np.ndarray | None = None) -> LogSketch:
         """``LogSketch.from_values(values, mask=mask)`` of tensor ``name``'s float32 ``values``
@@ -488,6 +490,15 @@ class PartitionCache:
         if keyed is None:
             keyed = self._keyed[name] = KeyedValues(values)
         return keyed.sketch(mask)
+
+    def sample_piece(self, key: tuple[Any, ...], build: Any) -> np.ndarray:
+        """A piece of a tensor's default sample (its index, values, protected flags, prune
+        scores), read-only, found once."""
+        if key not in self._samples:
+            piece = build()
+            piece.flags.writeable = False
+            self._samples[key] = piece
+        return self._samples[key]
 
     def positions(self, key: tuple[Any, ...], build: Any) -> np.ndarray:
         """Sorted flat positions (read-only), e.g. a tensor's protected elements."""
@@ -814,14 +825,26 @@ class StateQuantizer:
         and the same threshold, compared element by element as there."""
         t = self.chosen[name]
         w = _as_float32(t)
-        index = sample_index(w.size) if index is None else index
-        values = w.ravel()[index]
-        protected = protected_mask(w, t.sensitivity, self.config.protect, cache=self.cache, name=name, at=index)
-        pruned = np.zeros(values.size, bool)
         threshold = self.threshold(name)
-        if threshold is not None:
-            scores = t.sensitivity if _metric(t, self.config) == "sensitivity" else t.values
-            pruned = (np.abs(np.asarray(scores).ravel()[index]) <= threshold) & ~protected
+        metric = _metric(t, self.config)
+        if index is None and self.cache is not None:
+            # the default sample's gathers and its protected flags depend on the tensor and the
+            # protect fraction alone: shared by every configuration (read-only, a few hundred KB)
+            cache = self.cache
+            index = cache.sample_piece(("index", name), lambda: sample_index(w.size))
+            values = cache.sample_piece(("values", name), lambda: w.ravel()[index])
+            protected = cache.sample_piece(("protected", name, self.config.protect), lambda: protected_mask(
+                w, t.sensitivity, self.config.protect, cache=cache, name=name, at=index))
+            scores_at = None if threshold is None else cache.sample_piece(
+                ("scores", name, metric), lambda: np.asarray(_prune_scores(t, metric)).ravel()[index])
+        else:
+            index = sample_index(w.size) if index is None else index
+            values = w.ravel()[index]
+            protected = protected_mask(w, t.sensitivity, self.config.protect, cache=self.cache, name=name, at=index)
+            scores_at = None if threshold is None else np.asarray(_prune_scores(t, metric)).ravel()[index]
+        pruned = np.zeros(values.size, bool)
+        if threshold is not None and scores_at is not None:
+            pruned = (np.abs(scores_at) <= threshold) & ~protected
         return TensorSample(values, protected, pruned, int(w.size))
 
     def fresh_codebook(self, name: str) -> np.ndarray:
