@@ -39,8 +39,10 @@ state gives the same bytes (the store dedups and delta-codes by content).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -412,14 +414,57 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
                                                  "pruned_fraction": record.exp_avg_sq_pruned_fraction or 0.0})}, record
 
     # pairs side by side on the writer's threads (numpy releases the GIL); each is planned on
-    # its own, and results are gathered in the pairs' order: the same plans whatever the threads
+    # its own, and results are gathered in the pairs' order: the same plans whatever the threads.
+    # How many run at once is also bounded by memory (see _WorkingMemory)
+    memory = _WorkingMemory(sum(tensors[f"{p}/{M_KEY}"].size for p in pairs))
+
+    def bounded(prefix: str) -> tuple[dict[str, ArrayPlan], MomentTensorRecord]:
+        with memory.hold(tensors[f"{prefix}/{M_KEY}"].size):
+            return one(prefix)
+
     plans: dict[str, ArrayPlan] = {}
     records: dict[str, MomentTensorRecord] = {}
-    for prefix, (made, record) in zip(pairs, map_in_order(one, pairs, write_threads(), "inshrink-moments"),
+    for prefix, (made, record) in zip(pairs, map_in_order(bounded, pairs, write_threads(), "inshrink-moments"),
                                       strict=True):
         plans.update(made)
         records[prefix] = record
     return MomentPlans(None, plans, record=MomentRecord(policy, records))
+
+
+#: working memory of one pair's guard at its peak, bytes per element (measured with tracemalloc
+#: on a 16 M-element float32 pair: 64, after the float64 work arrays were cut to the entries
+#: that need them; it was 104)
+PAIR_BYTES_PER_ELEMENT = 64
+#: the pairs planned at once may hold this much working memory, as a fraction of the moments'
+#: own bytes (a pair larger than that still runs, alone)
+MOMENT_WORKING_FRACTION = 0.5
+
+
+class _WorkingMemory:
+    """How many moment pairs are planned at once, by the memory their guards need: each pair
+    holds ``PAIR_BYTES_PER_ELEMENT`` per element while it runs, and the pairs running together
+    stay within :data:`MOMENT_WORKING_FRACTION` of the moments' bytes (m and v, float32). Why:
+    on the writer's 8 threads a model of 16.8 M-element layers planned 8 pairs at once, 8.6 GB
+    for 1.6 GB of moments. Which thread plans which pair never changes a plan, so this changes
+    only time and memory."""
+
+    def __init__(self, elements: int) -> None:
+        self.limit = max(1, int(MOMENT_WORKING_FRACTION * 8 * elements))
+        self.used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, elements: int) -> Iterator[None]:
+        need = min(self.limit, PAIR_BYTES_PER_ELEMENT * elements)
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + need <= self.limit)
+            self.used += need
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= need
+                self._cond.notify_all()
 
 
 def _weight_pruned(weights: Mapping[str, Any], path: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -467,8 +512,10 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
     _, c2 = h.bias_corrections()
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         m_importance = 1.0 / (np.sqrt(np.maximum(v, 0) / c2) + h.eps) ** 2
-        v_importance = exact.astype(np.float64) ** 2
-    m_prepared = _PreparedM.of(m, m_importance)  # every attempt buckets the same m
+    # every attempt buckets the same m: its importance lives on in the prepared entries only,
+    # and v's importance (the exact update squared) is squared where v is positive, per attempt
+    m_prepared = _PreparedM.of(m, m_importance)
+    del m_importance
     attempts = policy.attempts()
     joint_matters = weight_pruned is not None and bool(weight_pruned.any())
     v_pruned = None  # ExCP's joint v pruning, done by the attempts that prune jointly
@@ -477,6 +524,12 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
         if not v_pruned.any():
             v_pruned = None
     tried: set[tuple[float, int, int, bool]] = set()
+    # a quantized v is kept while a later attempt has its key (its levels, jointly pruned or
+    # not), then dropped: each is a tensor-sized array
+    uses: dict[tuple[int, bool], int] = {}
+    for _, _, v_levels, joint in attempts:
+        key = (v_levels, joint and v_pruned is not None)
+        uses[key] = uses.get(key, 0) + 1
     for n, (prune, m_levels, v_levels, joint) in enumerate(attempts, start=1):
         setting = (prune, m_levels, v_levels, joint and joint_matters)
         if setting in tried:  # joint pruning with no pruned weight: an attempt already made
@@ -488,12 +541,16 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
         v_drop = v_pruned if joint else None
         if v_drop is not None:
             drop |= v_drop  # already within the weight's mask; stated so v is never 0 under a kept m
-        m_q, m_cb = quantize_exp_avg(m, drop, m_levels, dtype, m_importance, m_prepared)
+        m_q, m_cb = quantize_exp_avg(m, drop, m_levels, dtype, None, m_prepared)
         key = (v_levels, v_drop is not None)
         if key not in v_cache:
             v_in = v if v_drop is None else np.where(v_drop, np.float32(0.0), v)
-            v_cache[key] = quantize_exp_avg_sq(v_in, v_levels, dtype, v_importance, previous_v)
+            v_cache[key] = quantize_exp_avg_sq(v_in, v_levels, dtype, previous=previous_v,
+                                                 importance_root=exact)
         v_q, v_cb = v_cache[key]
+        uses[key] -= 1
+        if uses[key] <= 0:
+            del v_cache[key]
         if v_cb.size == 0:
             return None
         cosine, error = compare(exact, update(m_q, v_q, h))
@@ -507,6 +564,7 @@ def _guarded(policy: MomentPolicy, m: np.ndarray, v: np.ndarray, exact: np.ndarr
                 pruned_fraction=round(float((drop & (m != 0)).mean()), 6) if drop.size else 0.0, attempts=n,
                 exp_avg_sq_pruned_fraction=v_share)
             return (m_q, m_cb), (v_q, v_cb), record
+        del m_q, v_q, drop  # refused: free them before the next attempt makes its own
     return None
 
 
