@@ -19,7 +19,10 @@ encoding every candidate; save and restore time from 1 M to
 S3 (moto's server on loopback); distributed saves through ``torch.distributed.checkpoint`` with
 1, 2 and 4 ranks against DCP's own writers. The entropy-coder study has its own command (``bench_entropy_coders.py``)
 and page (``docs/understanding/deltas.md``): it is research, not a target.
-Timings are wall clock on whatever machine runs this; the page records which.
+Timings are wall clock on whatever machine runs this; the page records which. Benchmarks that
+take minutes on their own (the search's budget on trained workloads, the frameworks, a 500 M
+state, the CLI's reads) run apart; their sections, as their commands printed them, are kept in
+``benchmarks/recorded/`` and included here (``RECORDED``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,23 @@ import targets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 Kept = TypeVar("Kept")
+
+
+#: benchmarks run apart, in the page's order: (file in benchmarks/recorded/, its command). Each
+#: file holds the section as the command printed it (a ``## `` title first); rerun the command
+#: and replace the file to refresh it
+RECORDED = (
+    ("search_budget.md", "python benchmarks/bench_search_budget.py"),
+    ("frameworks.md", "python benchmarks/bench_frameworks.py"),
+    ("scale_state.md", "python benchmarks/bench_scale_state.py"),
+    ("cli_reads.md", "python -m benchmarks.bench_cli_reads"),
+)
+
+
+def recorded_sections() -> list[str]:
+    """The recorded sections that exist, each ending in one blank line."""
+    folder = Path(__file__).with_name("recorded")
+    return [(folder / name).read_text().rstrip() + "\n" for name, _ in RECORDED if (folder / name).exists()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratios and errors are exact and reproducible (every input is seeded).",
         "",
         *sections,
+        # sections of the benchmarks that run apart (minutes each, or a trained workload): each
+        # has its own command, which prints the section; it is kept in benchmarks/recorded/
+        *recorded_sections(),
         # recorded by hand from runs on a lent GPU machine (this one has none): kept as it stands
         (Path(__file__).with_name("gpu_results.md")).read_text(),
         "## Measured elsewhere, each with its own command",
