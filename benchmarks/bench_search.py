@@ -154,8 +154,8 @@ def to_markdown(r: dict[str, Any]) -> str:
     n = r["n"]
     lines = [
         f"{n / 1e6:.1f} M float32 parameters (1024x1024 Student-t layers, seeded, with `|w * g|` sensitivities), "
-        "two checkpoints through `SearchPolicy.decide`: the first a full search of the default cube, the second "
-        "(every weight moved a little) the neighbourhood of the first's choice. `eval_fn` is a stand-in "
+        "two checkpoints through `SearchPolicy.decide` with its default search (the checkpoint column names the "
+        "mode), the second's weights all moved a little from the first's. `eval_fn` is a stand-in "
         f"(1 - relative L2 error, tolerance {TOLERANCE:g}); its CPU is left out of every figure. Each search ran "
         f"{REPEAT} times on the same data; shown is the run that used the least CPU. *Estimated* is the library: "
         "candidates ranked by ratios estimated from a sample of each tensor, only evaluated ones quantized, the "
