@@ -589,10 +589,15 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
         idx = space.index(p)
         return error(p) <= theta and not any(_le(r, idx) for r in refused.get(p.prune_metric, ()))
 
+    # a later save stays with its previous point's prune metric: its neighbourhood in the other
+    # metric doubled the configurations estimated (each a codebook fit per tensor) for little
+    searched = [prev.prune_metric] if box is not None and prev is not None and prev.prune_metric in metrics \
+        else metrics
+
     def candidate(theta: float) -> SearchPoint | None:
         """The highest-ratio point (of the box) predicted feasible at ``theta``."""
         found: SearchPoint | None = None
-        for metric in metrics:
+        for metric in searched:
             ev = _Evaluator(space, ratio, lambda p: (allowed(p, theta), 0.0))
             _guided(ev, metric, box)
             if ev.best is not None and (found is None or ev.best_ratio > ratio(found)):
