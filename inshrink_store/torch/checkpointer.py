@@ -469,9 +469,9 @@ class Checkpointer:
                                                          higher_is_better=self.policy.higher_is_better))
         else:
             loop = self._closed_loop(arrays, parent) if self.closed_loop else None
-            # one budget for the whole save: residuals keep a call back for the keyframes
+            # one budget for the whole save (its residual and keyframe searches share it)
             budget = self.policy.save_budget(first=self._previous is None and not self._predictor.points)
-            budget.reserve = 1 if loop is not None and loop.bases else 0
+            budget.reserve = 0  # a keyframe search after failed residuals gets its own calls (widen_for_keyframes)
             if loop is not None and not loop.bases and budget.kind == "later":
                 self.policy.widen_for_keyframes(budget)  # a chain's new keyframe
             decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent, budget)
