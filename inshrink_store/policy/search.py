@@ -646,5 +646,21 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
         else:
             hi = min(hi, error(c))
             refused.setdefault(c.prune_metric, []).append(space.index(c))
+    if best is None and stopped == "converged" and budget.stop_reason() is None:
+        # nothing confirmed: before the caller stores lossless, the safe fallback, the least
+        # aggressive point of each metric not known to fail (the bracket can close just above
+        # its error when the tolerance is tight)
+        corner = box[0] if box is not None else (0, 0, 0)
+        safe = [p for p in (space.point(corner, m) for m in searched) if p not in trials and allowed(p, math.inf)]
+        for c in sorted(safe, key=lambda p: (error(p), p.prune_metric)):
+            if budget.stop_reason() is not None:
+                stopped = "calls"
+                break
+            ok, quality, drop = evaluate(c)
+            trials[c] = Trial(c, ratio(c), float(quality), bool(ok), error(c), predictor.predict(error(c)))
+            predictor.add(error(c), drop)
+            if ok:
+                best = c
+                break
     listed = [trials.get(p, Trial(p, r, error=errors.get(p))) for p, r in ratios.items()]
     return SearchResult(best, listed, "predicted", budget.spent(before, stopped))

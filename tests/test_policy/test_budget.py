@@ -325,3 +325,29 @@ def test_max_evals_forms() -> None:
     unbounded = SearchPolicy(max_evals=None).save_budget(first=False)
     SearchPolicy(max_evals=None).widen_for_keyframes(unbounded)
     assert unbounded.max_evals is None
+
+
+def test_the_safe_fallback_is_tried_before_nothing_is_chosen() -> None:
+    """Predicted errors need not be monotone: here the least aggressive point's error is just
+    above a refused point's, so the bracket closes below it. With calls left, the search still
+    evaluates it (the safe fallback) before reporting nothing confirmed, and stores it."""
+    space = SearchSpace(bins=(16, 32), prune=(0.0, 0.1), metrics=("magnitude",), protect=(0.01, 0.0005))
+    safest = SearchPoint(32, 0.0, "magnitude", 0.01)
+
+    def error(p: SearchPoint) -> float:
+        return 1.0 if p == safest else 0.9 + 0.01 * (32 / p.bins) + p.prune + (0.01 - p.protect)
+
+    calls: list[SearchPoint] = []
+
+    def evaluate(p: SearchPoint) -> tuple[bool, float, float]:
+        calls.append(p)
+        ok = p == safest
+        return ok, 1.0 if ok else 0.0, 0.0 if ok else 1.0
+
+    budget = SaveBudget(8)
+    budget.baseline = budget.call(lambda: 1.0)
+    result = budgeted_search(lambda p: 32 / p.bins / (1 - p.prune), error, evaluate, predictor=QualityPredictor(),
+                             tolerance=0.05, budget=budget, start_error=0.95, space=space,
+                             metrics_available=("magnitude",))
+    assert result.best == safest and calls[-1] == safest and calls.count(safest) == 1
+    assert budget.calls <= 8
