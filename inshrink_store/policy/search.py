@@ -496,8 +496,6 @@ class SaveBudget:
         self.max_evals, self.max_seconds, self.kind = max_evals, max_seconds, kind
         self.calls, self.seconds = 0, 0.0
         self.baseline: float | None = None  # the unquantized quality, evaluated once per save
-        #: calls kept back for a later search of the same save (the keyframes after residuals)
-        self.reserve = 0
         self._start = time.perf_counter()
 
     def widen(self, max_evals: int | None, kind: str) -> None:
@@ -509,7 +507,7 @@ class SaveBudget:
 
     def stop_reason(self) -> str | None:
         """Why no further call may start (None: one may)."""
-        if self.max_evals is not None and self.calls >= self.max_evals - self.reserve:
+        if self.max_evals is not None and self.calls >= self.max_evals:
             return "calls"
         if self.max_seconds is not None and time.perf_counter() - self._start >= self.max_seconds:
             return "seconds"
@@ -642,7 +640,6 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
             lo = max(lo, error(c))
             if best is None or ratio(c) > ratio(best):
                 best = c
-            budget.reserve = 0  # kept back only for a later search in case this one found nothing
         else:
             hi = min(hi, error(c))
             refused.setdefault(c.prune_metric, []).append(space.index(c))

@@ -471,18 +471,17 @@ class Checkpointer:
             loop = self._closed_loop(arrays, parent) if self.closed_loop else None
             # one budget for the whole save (its residual and keyframe searches share it)
             budget = self.policy.save_budget(first=self._previous is None and not self._predictor.points)
-            budget.reserve = 0  # a keyframe search after failed residuals gets its own calls (widen_for_keyframes)
             if loop is not None and not loop.bases and budget.kind == "later":
                 self.policy.widen_for_keyframes(budget)  # a chain's new keyframe
             decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent, budget)
             if loop is not None and loop.bases and decision.record.config is None \
                     and decision.record.search is not None:
                 # no residual met the tolerance (the parents' reconstructions used up the
-                # tolerance): keyframes, within what is left of the save's budget, before a
+                # tolerance): keyframes, with the first save's count of calls, before a
                 # lossless version
                 log.info("checkpoint at step %s: no closed-loop residual within tolerance; searching keyframes",
                          job.step)
-                spent, budget.reserve = evaluate, 0
+                spent = evaluate
                 self.policy.widen_for_keyframes(budget)
                 decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes(), parent, budget)
                 if evaluate is not None and spent is not None:
