@@ -25,6 +25,7 @@ measured one (measured afterwards, untimed).
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import tempfile
@@ -40,6 +41,7 @@ import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import Candidates, SearchPolicy  # noqa: E402
 from inshrink_store.policy.config import QuantConfig  # noqa: E402
 from inshrink_store.policy.plans import PlanSet  # noqa: E402
+from inshrink_store.policy.search import QualityPredictor  # noqa: E402
 
 N_PARAMS = 32_500_000
 TOLERANCE = 0.2  # relative: the stand-in quality 1 - rel. L2 error may fall to 0.8
@@ -88,13 +90,13 @@ class _StandIn:
 
 def _search_once(kind: type[Candidates], weights: dict[str, np.ndarray], sensitivity: dict[str, np.ndarray],
                  previous_codecs: dict[str, dict[str, Any]], previous: QuantConfig | None, tmp: str,
-                 attempt: str) -> dict[str, Any]:
+                 attempt: str, predictor: QualityPredictor) -> dict[str, Any]:
     dtypes = dict.fromkeys(weights, "F32")
     policy = SearchPolicy(tolerance=TOLERANCE, optimizer=None)
     stand_in = _StandIn(weights)
     wall, cpu = time.perf_counter(), time.process_time()
     candidates = kind(weights, dtypes, previous_codecs, sensitivity=sensitivity)
-    decision = policy.decide(candidates, stand_in, previous=previous)
+    decision = policy.decide(candidates, stand_in, previous=previous, predictor=predictor)
     search_wall, search_cpu = time.perf_counter() - wall, time.process_time() - cpu - stand_in.cpu
     repo = ins.open(os.path.join(tmp, attempt), create=True)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -109,7 +111,7 @@ def _search_once(kind: type[Candidates], weights: dict[str, np.ndarray], sensiti
             "chosen_estimate": next(t.ratio for t in search.trials if t.point.to_dict() == {
                 k: getattr(decision.record.config, k) for k in ("bins", "prune", "prune_metric", "protect")}),
             "trial_points": [t.point for t in search.trials], "trial_ratios": [t.ratio for t in search.trials],
-            "plans": decision.plans, "candidates": candidates}
+            "plans": decision.plans, "candidates": candidates, "predictor": predictor}
 
 
 def _codecs(plans: PlanSet) -> dict[str, dict[str, Any]]:
@@ -123,12 +125,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         previous_codecs: dict[str, dict[str, Any]] = {}
         previous: QuantConfig | None = None
+        # the run's evaluations so far, as a Checkpointer's policy keeps them from save to save
+        # (a later save searches around its parent's point only when the run has a fit)
+        predictor = QualityPredictor()
         for checkpoint in (1, 2):
             weights, sensitivity = _state(n, checkpoint - 1)
             results = {}
             for name, kind in (("estimated", Candidates), ("measured", MeasuredCandidates)):
                 tries = [_search_once(kind, weights, sensitivity, previous_codecs, previous, tmp,
-                                      f"{checkpoint}-{name}-{a}") for a in range(REPEAT)]
+                                      f"{checkpoint}-{name}-{a}", copy.deepcopy(predictor)) for a in range(REPEAT)]
                 results[name] = min(tries, key=lambda r: r["search_cpu"])
             est = results["estimated"]
             # each trial's estimate against the same configuration measured (untimed)
@@ -141,7 +146,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                              if k not in ("plans", "candidates", "trial_points", "trial_ratios")},
                              "config": r["config"].to_dict(),
                              "errors": errors if name == "estimated" else None})
-            previous, previous_codecs = est["config"], _codecs(est["plans"])
+            previous, previous_codecs, predictor = est["config"], _codecs(est["plans"]), est["predictor"]
             del results, est, cands
     return {"n": n, "cores": os.cpu_count(), "rows": rows}
 

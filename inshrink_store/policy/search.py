@@ -454,6 +454,10 @@ class QualityPredictor:
         self.points: list[tuple[float, float, int]] = []  # (E, relative drop, save), oldest first
         self.save = 0
         self._budget: SaveBudget | None = None  # the save the newest evaluations belong to
+        #: per search space, the (estimated ratio, E) of every point a search of that space
+        #: estimated, carried from save to save: a later save ranks its box by them (scaled by
+        #: the drift at its previous point) and estimates afresh only what it would evaluate
+        self.estimates: dict[SearchSpace, tuple[dict[SearchPoint, float], dict[SearchPoint, float]]] = {}
 
     def begin(self, budget: SaveBudget) -> None:
         """Evaluations from now on belong to the save of ``budget`` (a new save outweighs the
@@ -579,27 +583,64 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
             errors[p] = float(measure_error(p))
         return errors[p]
 
+    # a later save ranks its box by the previous save's estimates (each a codebook fit and a
+    # sample coded per tensor), scaled by how far its previous point's estimates moved, and
+    # estimates afresh only a point it is about to evaluate: ratios and errors drift slowly from
+    # save to save, and what is evaluated, recorded and chosen is always estimated afresh
+    prior: tuple[dict[SearchPoint, float], dict[SearchPoint, float]] = ({}, {})
+    if box is not None and prev is not None:
+        kept = predictor.estimates.get(space, ({}, {}))
+        if prev in kept[0] and prev in kept[1]:
+            prior = kept
+    drift: list[float] = []
+
+    def _scale(now: float, then: float) -> float:
+        factor = now / then if then > 0 else 1.0
+        return factor if math.isfinite(factor) and factor > 0 else 1.0
+
+    def scaled(p: SearchPoint, axis: int) -> float:
+        if not drift:
+            assert prev is not None  # a prior is only kept with a previous point
+            drift.extend((_scale(ratio(prev), prior[0][prev]), _scale(error(prev), prior[1][prev])))
+        return prior[axis][p] * drift[axis]
+
+    def rank_ratio(p: SearchPoint) -> float:
+        return ratio(p) if p in ratios or p not in prior[0] else scaled(p, 0)
+
+    def rank_error(p: SearchPoint) -> float:
+        return error(p) if p in errors or p not in prior[1] else scaled(p, 1)
+
     refused: dict[str, list[Index]] = {}
 
-    def allowed(p: SearchPoint, theta: float) -> bool:
+    def allowed(p: SearchPoint, theta: float, rank: bool = False) -> bool:
         """Predicted feasible at ``theta``, and not at least as aggressive as a refused point
         (quality is monotone along the cube's axes: such a point is known to fail)."""
         idx = space.index(p)
-        return error(p) <= theta and not any(_le(r, idx) for r in refused.get(p.prune_metric, ()))
+        e = rank_error(p) if rank else error(p)
+        return e <= theta and not any(_le(r, idx) for r in refused.get(p.prune_metric, ()))
 
     # a later save stays with its previous point's prune metric: its neighbourhood in the other
     # metric doubled the configurations estimated (each a codebook fit per tensor) for little
     searched = [prev.prune_metric] if box is not None and prev is not None and prev.prune_metric in metrics \
         else metrics
 
-    def candidate(theta: float) -> SearchPoint | None:
-        """The highest-ratio point (of the box) predicted feasible at ``theta``."""
+    def ranked(theta: float) -> SearchPoint | None:
+        """The highest-ratio point (of the box) predicted feasible at ``theta``, by the best
+        estimates known (the prior's where nothing was estimated afresh)."""
         found: SearchPoint | None = None
         for metric in searched:
-            ev = _Evaluator(space, ratio, lambda p: (allowed(p, theta), 0.0))
+            ev = _Evaluator(space, rank_ratio, lambda p: (allowed(p, theta, rank=True), 0.0))
             _guided(ev, metric, box)
-            if ev.best is not None and (found is None or ev.best_ratio > ratio(found)):
+            if ev.best is not None and (found is None or ev.best_ratio > rank_ratio(found)):
                 found = ev.best
+        return found
+
+    def candidate(theta: float) -> SearchPoint | None:
+        """:func:`ranked`, until the point it names is estimated afresh and still named."""
+        found = ranked(theta)
+        while found is not None and (found not in ratios or found not in errors):
+            ratio(found), error(found)
+            found = ranked(theta)
         return found
 
     def middle(lo: float, hi: float) -> float:
@@ -659,5 +700,7 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
             if ok:
                 best = c
                 break
+    predictor.estimates[space] = ({**{p: rank_ratio(p) for p in prior[0]}, **ratios},
+                                  {**{p: rank_error(p) for p in prior[1]}, **errors})
     listed = [trials.get(p, Trial(p, r, error=errors.get(p))) for p, r in ratios.items()]
     return SearchResult(best, listed, "predicted", budget.spent(before, stopped))

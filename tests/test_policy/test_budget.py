@@ -351,3 +351,61 @@ def test_the_safe_fallback_is_tried_before_nothing_is_chosen() -> None:
                              metrics_available=("magnitude",))
     assert result.best == safest and calls[-1] == safest and calls.count(safest) == 1
     assert budget.calls <= 8
+
+
+class _Drifted(Cube):
+    """The same cube one save later: every ratio and every error moved by one factor, and
+    every estimate counted."""
+
+    def __init__(self, ratio_by: float, error_by: float) -> None:
+        super().__init__(seed=5, k=8.0, bend=1.0, jitter=0.0)
+        self.ratio_by, self.error_by = ratio_by, error_by
+        self.estimated: list[SearchPoint] = []
+
+    def ratio(self, p: SearchPoint) -> float:
+        self.estimated.append(p)
+        return self.ratio_by * super().ratio(p)
+
+    def error(self, p: SearchPoint) -> float:
+        return self.error_by * super().error(p)
+
+
+@pytest.mark.parametrize(("ratio_by", "error_by"), [(1.0, 1.0), (1.1, 1.3), (0.9, 0.8)])
+def test_a_later_save_ranks_by_the_previous_save_s_estimates_and_estimates_afresh_what_it_evaluates(
+        ratio_by: float, error_by: float) -> None:
+    """A later save's box is ranked by the estimates the run already has (scaled by the drift at
+    the previous point): it chooses what estimating the whole box chooses when the drift is the
+    same everywhere, estimates a fraction of the box, and every evaluated or recorded figure is
+    this save's own estimate."""
+    first_cube = _Drifted(1.0, 1.0)
+    predictor = QualityPredictor()
+    first = _search(first_cube, SaveBudget(8), predictor)
+    assert first.best is not None
+
+    def later(carry: bool) -> tuple[SearchResult, _Drifted]:
+        cube = _Drifted(ratio_by, error_by)
+        p = QualityPredictor()
+        p.points, p.save = list(predictor.points), predictor.save
+        if carry:
+            p.estimates = {k: (dict(r), dict(e)) for k, (r, e) in predictor.estimates.items()}
+        return _search(cube, SaveBudget(3, kind="later"), p, previous=first.best), cube
+
+    lazy, lazy_cube = later(carry=True)
+    full, full_cube = later(carry=False)
+    assert lazy.best == full.best
+    assert len(set(lazy_cube.estimated)) < len(set(full_cube.estimated)) / 2
+    assert set(lazy_cube.estimated) >= {first.best, *(t.point for t in lazy.trials if t.feasible is not None)}
+    for t in lazy.trials:  # the record holds only this save's estimates
+        assert t.ratio == pytest.approx(lazy_cube.ratio(t.point))
+        assert t.error == pytest.approx(lazy_cube.error(t.point))
+
+
+def test_a_keyframe_search_of_a_later_save_does_not_rank_by_the_earlier_estimates() -> None:
+    """Without a previous point (a keyframe within a later save, a new space) the whole cube is
+    estimated afresh, as on a first save."""
+    cube = _Drifted(1.0, 1.0)
+    predictor = QualityPredictor()
+    _search(cube, SaveBudget(8), predictor)
+    fresh = _Drifted(2.0, 1.0)
+    again = _search(fresh, SaveBudget(8, kind="keyframe"), predictor, previous=None)
+    assert all(t.ratio == pytest.approx(fresh.ratio(t.point)) for t in again.trials)
