@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store import dtypes
+from inshrink_store.codecs import _quant_loops
 from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
 
@@ -174,6 +175,17 @@ def unpack(data: Any) -> Payload:
 
 def _check_ids(ids: Any, levels: int, n_prot: int) -> None:
     """Every id below B, and as many protected ids (B - 1) as the header counts."""
+    loops = _quant_loops.for_bytes(int(ids.nbytes)) if isinstance(ids, np.ndarray) else None
+    if loops is not None:  # both checks in one pass
+        top, actual = loops.id_stats(np.ascontiguousarray(ids), levels - 1)
+        if top >= levels:
+            raise FormatError(f"Expected level ids below B={levels}. Got id {int(top)} instead.")
+        if actual != n_prot:
+            raise FormatError(
+                f"Expected {n_prot} protected ids (id {levels - 1}) as the header says. "
+                f"Got {int(actual)} instead."
+            )
+        return
     if ids.size and int(ids.max()) >= levels:
         raise FormatError(
             f"Expected level ids below B={levels}. Got id {int(ids.max())} instead."

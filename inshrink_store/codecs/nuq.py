@@ -40,7 +40,7 @@ from zarr.core.buffer import Buffer, NDBuffer
 from zarr.registry import register_codec as register_zarr_codec
 
 from inshrink_store import dtypes
-from inshrink_store.codecs import _gpu, _payload
+from inshrink_store.codecs import _gpu, _payload, _quant_loops
 from inshrink_store.codecs._config import check_config, named_configuration
 from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
@@ -393,6 +393,15 @@ class Quantizer:
                 "does not belong to this chunk."
             )
         xp = array_namespace(payload.ids)
+        loops = _quant_loops.for_bytes(int(payload.ids.size)) if xp is np and self.scale32 is None else None
+        if loops is not None:  # one pass: each id's value, the protected ones in order
+            out = np.empty(payload.ids.size, self.table.dtype)
+            words = self._unprotect(payload.protected, payload.protected_dtype) if payload.protected.size \
+                else self.table[:0]
+            bits = np.dtype(f"u{out.itemsize}")  # values copied as bit patterns (NaN payloads, float16)
+            loops.decode_ids(np.ascontiguousarray(payload.ids), self.table.view(bits), self.levels - 1,
+                             np.ascontiguousarray(words).view(bits), out.view(bits))
+            return out
         out = like(self.table, xp).take(payload.ids)
         if self.scale32 is not None:
             rows = self._rows(int(payload.ids.size))

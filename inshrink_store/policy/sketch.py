@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store.codecs import _gpu
+from inshrink_store.codecs import _gpu, _quant_loops
 from inshrink_store.codecs._xp import array_namespace, to_host
 from inshrink_store.errors import FormatError
 
@@ -264,6 +264,12 @@ def _f32_stores(x: np.ndarray, mask: np.ndarray | None, scale: float,
     ``mask`` (bool, or None: all), as :func:`_host_block` gives them, by table lookups."""
     span = tables.span
     total = np.zeros(2 * span, np.int64)
+    loops = _quant_loops.for_bytes(x.nbytes) if x.flags.c_contiguous else None
+    if loops is not None:  # one pass: each code counted where it is found, the same counts
+        flat_mask = None if mask is None else np.ascontiguousarray(mask).reshape(-1)
+        loops.sketch_counts(x.view(np.int32), tables.code, tables.last, span, _F32_SHIFT,
+                            flat_mask if flat_mask is not None else _NO_MASK, flat_mask is not None, total)
+        return _counted_stores(total, x, mask, scale, tables)
     for s in range(0, x.size, _F32_BLOCK):
         codes = _f32_codes(x[s:s + _F32_BLOCK], tables)
         if mask is not None:
@@ -320,8 +326,12 @@ class KeyedValues:
             self._flat = x
             small = np.int16 if 2 * tables.span <= np.iinfo(np.int16).max else np.int32
             self._codes = np.empty(x.size, small)
-            for s in range(0, x.size, _F32_BLOCK):
-                self._codes[s:s + _F32_BLOCK] = _f32_codes(x[s:s + _F32_BLOCK], tables)
+            loops = _quant_loops.for_bytes(x.nbytes) if x.flags.c_contiguous else None
+            if loops is not None:
+                loops.sketch_codes(x.view(np.int32), tables.code, tables.last, tables.span, _F32_SHIFT, self._codes)
+            else:
+                for s in range(0, x.size, _F32_BLOCK):
+                    self._codes[s:s + _F32_BLOCK] = _f32_codes(x[s:s + _F32_BLOCK], tables)
 
     def sketch(self, mask: np.ndarray | None = None) -> LogSketch:
         """``LogSketch.from_values(values, alpha, mask=mask)``, from the codes."""
@@ -335,7 +345,11 @@ class KeyedValues:
             )
         width = 2 * self._tables.span
         total = np.zeros(width, np.int64)
-        for s in range(0, self._codes.size, _CODES_BLOCK):
+        loops = _quant_loops.for_bytes(self._codes.nbytes)
+        if loops is not None:  # one pass, the same counts
+            flat = None if m is None else np.ascontiguousarray(m)
+            loops.code_counts(self._codes, flat if flat is not None else _NO_MASK, flat is not None, total)
+        for s in range(0, self._codes.size if loops is None else 0, _CODES_BLOCK):
             codes = self._codes[s:s + _CODES_BLOCK]
             if m is not None:
                 codes = codes * m[s:s + _CODES_BLOCK]  # masked out: code 0, never read
@@ -345,6 +359,8 @@ class KeyedValues:
 
 
 _CODES_BLOCK = 1 << 16  # codes per bincount of KeyedValues.sketch
+#: the mask argument of a compiled loop told there is none (its flag says so; never read)
+_NO_MASK = np.ones(1, bool)
 
 
 def _table_store(counts: np.ndarray, kmin: int) -> _Store:
