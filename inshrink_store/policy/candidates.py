@@ -14,6 +14,7 @@ changes its answer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from inshrink_store.policy.partition import (
 from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
+from inshrink_store.policy.streaming import StreamedPlanSet, WeightStream
 from inshrink_store.writer import write_threads
 
 #: candidate plan sets held at once during a search (each about the model's size)
@@ -69,8 +71,10 @@ class CandidatePlanner:
     def __init__(self, config: QuantConfig, *, sensitivity: Mapping[str, np.ndarray] | None = None,
                  module_kinds: Mapping[str, str] | None = None, scope: str = "model/",
                  cache: PartitionCache | None = None, estimator: RatioEstimator | None = None,
-                 measure: bool = True) -> None:
+                 measure: bool = True, skip: frozenset[str] = frozenset()) -> None:
         self.config, self.scope, self.cache, self.estimator = config, scope, cache, estimator
+        #: tensors planned only when their plan is read (see :class:`Candidates`' ``skip``)
+        self.skip = skip
         #: encode the plans to measure their stored bytes (False: ``stored_bytes`` is None)
         self.measure = measure
         self.sensitivity: Mapping[str, np.ndarray] = sensitivity or {}
@@ -86,11 +90,17 @@ class CandidatePlanner:
 
         # tensors on the writer's threads (numpy releases the GIL); each touches only its own
         # cache entries, and results come back by name: the same plans whatever the threads
-        names = quantizer.names
+        names = [name for name in quantizer.names if name not in self.skip]
         plans = dict(zip(names, map_in_order(one, names, write_threads(), "inshrink-plan"), strict=True))
         estimator = self.estimator or RatioEstimator(tensors, self.scope, dtypes)
-        stored = estimator.stored_bytes(plans) if self.measure else None
-        return PlanSet(self.config, plans, estimator.logical_bytes, stored)
+        skipped = frozenset(quantizer.names) - set(names)
+        made = PlanSet(self.config, plans, estimator.logical_bytes, None)
+        if skipped:
+            made = StreamedPlanSet(self.config, {}, estimator.logical_bytes, None, (
+                made, WeightStream(quantizer, dtypes, self.config.protected_dtype, only=skipped)))
+        if not self.measure:
+            return made
+        return dataclasses.replace(made, stored_bytes=estimator.stored_bytes(made))
 
 
 class Candidates:
@@ -112,7 +122,7 @@ class Candidates:
                  optimizer_params: Mapping[str, str] | None = None,
                  optimizer_hyper: Mapping[str, AdamHyper] | None = None,
                  reference: Mapping[str, np.ndarray] | None = None,
-                 error_weights: Mapping[str, np.ndarray] | None = None) -> None:
+                 error_weights: Mapping[str, np.ndarray] | None = None, skip: frozenset[str] = frozenset()) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise FormatError(f"Expected keep to be an int >= 1 (PlanSets held at once). Got {keep!r} instead.")
         self.tensors, self.dtypes, self.previous = tensors, dtypes, previous
@@ -132,6 +142,10 @@ class Candidates:
         self.error_weights: Mapping[str, np.ndarray] = (error_weights if error_weights is not None
                                                         else self.sensitivity)
         self._errors: dict[QuantConfig, float] = {}
+        #: tensors whose plans are made only when read: a closed-loop save keeps a tensor that
+        #: did not change from its parent and never reads its plan (a frozen layer is estimated
+        #: with the others, never quantized)
+        self.skip = frozenset(skip)
 
     @property
     def metrics_available(self) -> tuple[str, ...]:
@@ -145,11 +159,17 @@ class Candidates:
             self._held.move_to_end(config)
             return self._held[config]
         planner = CandidatePlanner(config, sensitivity=self.sensitivity, module_kinds=self.module_kinds,
-                                   scope=self.scope, cache=self.cache, estimator=self.estimator, measure=False)
+                                   scope=self.scope, cache=self.cache, estimator=self.estimator, measure=False,
+                                   skip=self.skip)
         made = self._held[config] = planner.plan(self.tensors, self.dtypes, self.previous)
         while len(self._held) > self.keep:
             self._held.popitem(last=False)
         return made
+
+    def held(self, config: QuantConfig) -> PlanSet | None:
+        """The PlanSet of ``config`` when one is held (planned for an evaluation), else None:
+        nothing is planned."""
+        return self._held.get(config)
 
     def quantizer(self, config: QuantConfig) -> StateQuantizer:
         """The state's quantizer under ``config`` (thresholds pooled; nothing quantized yet)."""

@@ -152,21 +152,25 @@ class ClosedLoopPlans(Mapping[str, ArrayPlan]):
         return path in self._inner
 
     def __getitem__(self, path: str) -> ArrayPlan:
+        loop = self._loop
+        tensor = self._tensors.get(path)
+        if path in loop.unchanged and path in self._inner and tensor is not None \
+                and np.asarray(tensor).dtype == _F32:
+            # a frozen tensor: the parent's objects, nothing coded, and its plan never read (a
+            # streamed plan is then never made: see inshrink_store.policy.streaming)
+            kept = loop.all_bases[path]
+            return ArrayPlan(kept.values, BytesCodec(), {"coding": CODING, "source": loop.sources[path],
+                                                          "unchanged": True},
+                             pruned=np.ones(kept.values.shape, bool))
         plan = self._inner[path]
         codec = plan.serializer
-        tensor = self._tensors.get(path)
-        if path not in self._loop.paths or not isinstance(codec, NUQZarrCodec) or codec.dtype is not None \
+        if path not in loop.paths or not isinstance(codec, NUQZarrCodec) or codec.dtype is not None \
                 or tensor is None \
                 or np.asarray(plan.values).dtype != _F32 or np.asarray(tensor).dtype != _F32:
             return plan  # not a float32 weight: stored as planned
-        loop = self._loop
         base = loop.bases.get(path)
         source = loop.sources.get(path) or source_digest(np.asarray(tensor, _F32))
         attributes = {**plan.attributes, "coding": CODING, "source": source}
-        if path in loop.unchanged:  # a frozen tensor: the parent's objects, nothing coded
-            kept = loop.all_bases[path]
-            return ArrayPlan(kept.values, BytesCodec(), {"coding": CODING, "source": source, "unchanged": True},
-                             pruned=np.ones(kept.values.shape, bool))
         q_values = np.asarray(plan.values, _F32)
         values = closed_loop.reconstruct(base.values, q_values) if base is not None else q_values
         q = quantizer(codec.codebook, 0.0, codec.protected_dtype, "float32")

@@ -39,6 +39,7 @@ from inshrink_store.policy.search import (
     budgeted_search,
     search,
 )
+from inshrink_store.policy.streaming import MomentStream, StreamedPlanSet, WeightStream
 
 #: the caller's quality of the model with a candidate's values loaded (None: unquantized)
 Evaluate = Callable[[PlanSet | None], float]
@@ -86,6 +87,16 @@ class Decision:
     plans: PlanSet | None
     record: QuantizationRecord
     moments: MomentRecord | None = None
+    #: ``decide(stream=True)``: the moments planned as the writer reads them (``moments`` is
+    #: None until then); :meth:`moment_record` gives the record once they are written
+    streamed_moments: MomentStream | None = None
+
+    def moment_record(self) -> MomentRecord | None:
+        """How the moments were stored: ``moments``, or the streamed moments' record (after
+        the writer read them; a pair it did not read is planned now)."""
+        if self.moments is None and self.streamed_moments is not None:
+            return self.streamed_moments.record
+        return self.moments
 
 
 @dataclass(frozen=True)
@@ -266,14 +277,20 @@ class SearchPolicy:
 
     def decide(self, candidates: Candidates, evaluate: Evaluate | None,
                previous: QuantConfig | None = None, *, budget: SaveBudget | None = None,
-               predictor: QualityPredictor | None = None) -> Decision:
+               predictor: QualityPredictor | None = None, stream: bool = False) -> Decision:
         """Search (when there is ``evaluate``) and return what to write.
 
         Without ``evaluate`` the base configuration is stored. With it, nothing within
         tolerance stores the model lossless (the record's config is None). ``previous``
         (the parent version's configuration) starts the neighbourhood search. ``budget``
         (one save's, shared by its searches; made here from ``max_evals`` when None) and
-        ``predictor`` (the run's evaluations; a new one when None) serve the budgeted search."""
+        ``predictor`` (the run's evaluations; a new one when None) serve the budgeted search.
+
+        ``stream=True``: the plans of the chosen configuration (unless a search already holds
+        them) and of the moments are made as the writer reads them, one tensor at a time
+        (:mod:`inshrink_store.policy.streaming`), and the moments' record comes with
+        :meth:`Decision.moment_record` once they are written. Same plans, same bytes; the save
+        never holds the quantized state."""
         if self.allocation_ratios is not None and evaluate is not None:
             return self._decide_allocation(candidates, evaluate)
         baseline: float | None = None
@@ -300,13 +317,27 @@ class SearchPolicy:
                     result = self._search_again(candidates, _counted(evaluate, budget), baseline, result, wider)
                 base = wider
             chosen = None if result.best is None else self.config(result.best, base)
-        model = candidates.plans(chosen) if chosen is not None else None
-        plans, moments = self._with_optimizer(model, candidates)
+        weights: WeightStream | None = None
+        model: PlanSet | None = None
+        if chosen is not None:
+            held = candidates.held(chosen) if stream else None
+            if stream and held is None:
+                masked = frozenset(candidates.optimizer_params.values()) \
+                    if isinstance(self.optimizer, MomentPolicy) else frozenset()
+                weights = WeightStream(candidates.quantizer(chosen), candidates.dtypes, chosen.protected_dtype,
+                                       masked)
+                model = StreamedPlanSet(chosen, {}, candidates.estimator.logical_bytes, None, (weights,))
+            else:
+                model = held if held is not None else candidates.plans(chosen)
         record = QuantizationRecord(
             config=chosen, tolerance=self.tolerance, higher_is_better=self.higher_is_better,
             baseline_quality=baseline, search=result,
             model_ratio_estimate=None if chosen is None else candidates.ratio(chosen),
         )
+        if stream:
+            plans, streamed = self._streamed_optimizer(model, weights, candidates)
+            return Decision(plans, record, None, streamed)
+        plans, moments = self._with_optimizer(model, candidates)
         return Decision(plans, record, moments)
 
     def allocation_base(self) -> Allocation:
@@ -435,6 +466,31 @@ class SearchPolicy:
                     params=candidates.optimizer_params, hyper=candidates.optimizer_hyper)
                 moments = made.record
                 plans = plans.with_plans(made)
+            else:
+                assert not isinstance(self.optimizer, str)  # names became policies in __post_init__
+                plans = plans.with_plans(self.optimizer.plan(tensors, candidates.dtypes, candidates.previous))
+        return (plans if len(plans) else None), moments
+
+
+    def _streamed_optimizer(self, model: PlanSet | None, weights: WeightStream | None,
+                            candidates: Candidates) -> tuple[PlanSet | None, MomentStream | None]:
+        """:meth:`_with_optimizer` for ``decide(stream=True)``: a MomentPolicy's plans made as
+        they are read (joint pruning from ``weights``' masks when the model is streamed too);
+        another planner's plans as it makes them."""
+        if model is None:
+            plans = StreamedPlanSet(None)
+        elif isinstance(model, StreamedPlanSet):
+            plans = model
+        else:
+            plans = StreamedPlanSet(model.config, {}, model.logical_bytes, model.stored_bytes, (model,))
+        moments: MomentStream | None = None
+        if self.optimizer is not None:
+            tensors = {p: a for p, a in candidates.tensors.items() if p.startswith("optimizer/")}
+            if isinstance(self.optimizer, MomentPolicy):
+                moments = MomentStream(self.optimizer, tensors, candidates.dtypes, candidates.previous,
+                                       weights=weights if weights is not None else (model or {}),
+                                       params=candidates.optimizer_params, hyper=candidates.optimizer_hyper)
+                plans = plans.with_plans(moments)
             else:
                 assert not isinstance(self.optimizer, str)  # names became policies in __post_init__
                 plans = plans.with_plans(self.optimizer.plan(tensors, candidates.dtypes, candidates.previous))

@@ -46,6 +46,7 @@ from inshrink_store.errors import (
     LeaseBrokenError,
     NotFoundError,
 )
+from inshrink_store.manifest import check_commit_fields
 from inshrink_store.policy import (
     DEFAULT_CONFIG,
     Candidates,
@@ -490,17 +491,25 @@ class Checkpointer:
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if self.probe is not None and job.eval_model is not None:
             metadata["probe"] = _probe_similarity(job.eval_model, self.probe, dtypes, job.state["model"], plans)
-        if decision.moments is not None:
-            metadata["moments"] = decision.moments.to_dict()
-            if decision.moments.skipped and not self._told_skipped:
-                log.warning("checkpoint at step %s: %s", job.step, decision.moments.skipped)
+
+        def with_moments() -> dict[str, Any]:
+            """The metadata once the tensors are written: the moments' record is complete only
+            then (they are planned as the writer reads them)."""
+            moments = decision.moment_record()
+            if moments is None:
+                return metadata
+            if moments.skipped and not self._told_skipped:
+                log.warning("checkpoint at step %s: %s", job.step, moments.skipped)
                 self._told_skipped = True
+            return {**metadata, "moments": moments.to_dict()}
+
         self._gc.wait_idle()  # our own retention gc first: the commit would only poll for it
         try:
             info = self._commit(arrays, dtypes=dtypes, attributes=_attributes(skeleton, job.params), quantize=plans,
-                                branch=self.branch, parent=parent, expect_head=expected, step=job.step,
+                                parent=parent, expect_head=expected, step=job.step,
                                 metrics=job.metrics, message=job.message or f"step {job.step}",
-                                metadata=metadata, exact_resume=0 if self.lossless else self.exact_resume)
+                                metadata=metadata, finish=with_moments,
+                                exact_resume=0 if self.lossless else self.exact_resume)
         except ConflictError as exc:
             found = self.repo.branches().get(self.branch)
             if found == expected:
@@ -564,12 +573,16 @@ class Checkpointer:
         # joint moment pruning follows pruned *weights*; a residual's pruned elements are
         # most of the tensor (they keep their value), so its moments are pruned on their own
         params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
-        candidates = Candidates(searched, dtypes, self._previous_codecs(parent), sensitivity=sensitivity,
+        codecs = self._previous_codecs(parent)
+        candidates = Candidates(searched, dtypes, codecs, sensitivity=sensitivity,
                                 module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
                                 optimizer_hyper=adam_hyper(job.state.get("optimizer")),
                                 # errors on one scale for residuals and keyframes: against the live
                                 # weights, weighted by sensitivity wherever it was observed
-                                reference=arrays, error_weights=job.sensitivity)
+                                reference=arrays, error_weights=job.sensitivity,
+                                # a tensor unchanged since its closed-loop parent keeps the parent's
+                                # objects: estimated with the others, never quantized
+                                skip=frozenset() if loop is None else frozenset(loop.unchanged))
         evaluate = None
         if self.eval_fn is not None and job.eval_model is not None:
             evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
@@ -592,7 +605,9 @@ class Checkpointer:
         same = policy.space == came_from and _on_axes(policy.space, self._previous)
         previous = self._previous if same else None
         self._previous_space = policy.space
-        decision = policy.decide(candidates, evaluate, previous=previous, budget=budget, predictor=self._predictor)
+        # stream: the chosen plans are made as the writer reads them, one tensor at a time
+        decision = policy.decide(candidates, evaluate, previous=previous, budget=budget, predictor=self._predictor,
+                                 stream=True)
         plans: Any = decision.plans
         if loop is not None and decision.plans is not None:
             plans = loop.plans(decision.plans, arrays)
@@ -607,20 +622,32 @@ class Checkpointer:
             policy = replace(policy, space=RESIDUAL_SPACE)
         return policy
 
-    def _commit(self, arrays: dict[str, Any], **kwargs: Any) -> SnapshotInfo:
-        """``repo.save`` that rides out a gc: waits for it (up to ``gc_wait`` s, logged) and
-        retries a commit the gc fenced off, so a gc never costs the run a checkpoint."""
-        def waiting(message: str) -> None:
-            log.warning("checkpoint at step %s: %s (up to %.0f s)", kwargs.get("step"), message, self.gc_wait)
+    def _commit(self, arrays: dict[str, Any], *, quantize: Any, dtypes: dict[str, str], attributes: dict[str, Any],
+                parent: str | None, expect_head: str | None, step: int, metrics: dict[str, float] | None,
+                message: str, metadata: dict[str, Any], finish: Callable[[], dict[str, Any]],
+                exact_resume: int) -> SnapshotInfo:
+        """A write session that rides out a gc: waits for it (up to ``gc_wait`` s, logged) and
+        retries a commit the gc fenced off, so a gc never costs the run a checkpoint.
 
+        What ``repo.save`` does, with the metadata taken after the write: ``finish()`` gives it
+        (the moments' record exists once the writer has planned them, tensor by tensor); the
+        commit fields are checked before anything is written all the same."""
+        def waiting(note: str) -> None:
+            log.warning("checkpoint at step %s: %s (up to %.0f s)", step, note, self.gc_wait)
+
+        check_commit_fields(message, step, metrics, metadata)
         for attempt in range(1, 4):
             try:
-                return self.repo.save(arrays, gc_wait=self.gc_wait, on_wait=waiting, **kwargs)
+                with self.repo.transaction(self.branch, parent=parent, inherit=False, gc_wait=self.gc_wait,
+                                           on_wait=waiting, expect_head=expect_head) as tx:
+                    tx.write(arrays, attributes=attributes, dtypes=dtypes, quantize=quantize,
+                             residual=exact_resume > 0)
+                    return tx.commit(message=message, step=step, metrics=metrics, metadata=finish(),
+                                     keep_residual=max(exact_resume, 1))
             except LeaseBrokenError:
                 if attempt == 3:
                     raise
-                log.warning("checkpoint at step %s: a gc fenced off this commit; retrying (%d/3)",
-                            kwargs.get("step"), attempt + 1)
+                log.warning("checkpoint at step %s: a gc fenced off this commit; retrying (%d/3)", step, attempt + 1)
         raise AssertionError("unreachable")
 
     def _closed_loop(self, arrays: Mapping[str, Any], parent: str | None) -> ClosedLoop:

@@ -25,10 +25,10 @@ def _with_plans(originals: dict[str, Any], plans: Mapping[str, Any], dtypes: dic
     """The model's state dict ``originals`` with the planned values of its tensors in
     (``model/<name>`` plans; the optimizer's are left out): the model as a version stores it."""
     state = dict(originals)
-    for path, plan in plans.items():
-        if path.startswith("model/"):
+    for path in plans:
+        if path.startswith("model/"):  # tested before the plan is read: a save's plans are made when read
             name = path[len("model/"):]
-            state[name] = array_to_tensor(plan.values, dtypes[path]).reshape(originals[name].shape)
+            state[name] = array_to_tensor(plans[path].values, dtypes[path]).reshape(originals[name].shape)
     return state
 
 

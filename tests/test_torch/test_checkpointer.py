@@ -157,7 +157,7 @@ def test_background_failure_surfaces_on_the_next_call_and_loses_nothing(url: str
         raise OSError("disk full")
 
     with monkeypatch.context() as patch:
-        patch.setattr(repo, "save", broken)
+        patch.setattr(repo, "transaction", broken)  # the Checkpointer commits through a write session
         ck.save(2)
         with pytest.raises(BackgroundSaveError, match="disk full") as info:
             ck.wait()
