@@ -68,7 +68,7 @@ def test_tag_verify_gc_du(store):
     assert run("tag", store, "first", "main~1").exit_code == 0
     assert run("tag", store, "first", "main").exit_code == 1  # write-once
     assert run("verify", store).exit_code == 0
-    du = json.loads(run("du", store, "--json").stdout)
+    du = json.loads(run("du", store, "--json").stdout)["rows"]
     assert len(du) == 2 and du[1]["new_stored_bytes"] < du[0]["new_stored_bytes"] * 2
     dry = json.loads(run("gc", store, "--keep-last", "1", "--dry-run", "--json").stdout)
     assert dry["dry_run"] is True and dry["kept_snapshots"] == 2  # the tag keeps main~1

@@ -74,8 +74,8 @@ def test_log_ls_and_du_show_the_moments(adam_file: Path, tmp_path: Path) -> None
     table = run("ls", url)
     assert "update cos" in table.output
 
-    usage = json.loads(run("du", url, "--json").output)
+    usage = json.loads(run("du", url, "--json").output)["rows"]
     assert usage[-1]["model_cumulative_ratio"] > 1 and usage[-1]["optimizer_cumulative_ratio"] > 1
     assert "optimizer overall" in run("du", url).output
-    only_model = json.loads(run("du", url, "--prefix", "model/", "--json").output)
+    only_model = json.loads(run("du", url, "--prefix", "model/", "--json").output)["rows"]
     assert "optimizer_cumulative_ratio" not in only_model[-1]

@@ -9,6 +9,7 @@ under the store, and the table names what each ratio counts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -71,3 +72,46 @@ def test_cli_du_prints_the_store_ratio_over_the_bytes_on_disk(tmp_path: Path) ->
     header = next(line for line in result.output.splitlines() if "snapshot" in line)
     assert not re.search(r"(?<![a-z ])ratio(?! so far)", header), header
     assert "ratio so far" in header
+
+
+def test_du_json_gives_the_tables_ratios_each_with_what_it_counts(tmp_path: Path) -> None:
+    """du --json listed the rows alone, each with its version's own ratio (the figure the
+    table dropped: thousands on a version that deduplicated) and none of the store-wide
+    figures. It now holds what the table prints: the ratio so far per row, where every byte
+    under the store is, and the ref's and the store's ratios, each with the bytes it divides
+    and what they count."""
+    url, repo = _store_with_other_refs_and_delta_bases(tmp_path)
+    result = run("du", url, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    on_disk = _bytes_on_disk(tmp_path / "store")
+    rows = doc["rows"]
+    assert doc["ref"] == "main" and doc["prefix"] == ""
+    assert [r["snapshot"] for r in rows] == [s.id for s in reversed(repo.log("main"))]
+    assert all("ratio" not in r for r in rows)  # the version's own ratio is gone
+    for r in rows:
+        assert r["cumulative_ratio"] == r["cumulative_logical_bytes"] / r["cumulative_stored_bytes"]
+    assert doc["where"]["total"] == on_disk == sum(v for k, v in doc["where"].items() if k != "total")
+    store, ref, so_far = doc["ratios"]["store"], doc["ratios"]["ref"], doc["ratios"]["so_far"]
+    assert store["stored_bytes"] == on_disk and store["logical_bytes"] == _kept_logical(repo)
+    assert store["ratio"] == _kept_logical(repo) / on_disk and store["versions"] == len(set(repo.snapshot_ids()))
+    summary = repo.du_summary()
+    assert ref["stored_bytes"] == summary.versions + summary.delta_bases == doc["where"]["versions"] + doc["where"]["delta_bases"]
+    assert ref["logical_bytes"] == sum(r["logical_bytes"] for r in rows) and ref["versions"] == len(rows)
+    assert so_far["ratio"] == rows[-1]["cumulative_ratio"] and so_far["stored_bytes"] == rows[-1]["cumulative_stored_bytes"]
+    assert all(entry["counts"] for entry in (store, ref, so_far))
+    # the table prints the same figures
+    table = run("du", url).output
+    assert f"= {store['ratio']:.2f}x" in table and f"= {ref['ratio']:.2f}x" in table
+    assert f"{rows[-1]['cumulative_ratio']:.2f}x" in table
+
+
+def test_du_json_with_a_prefix_has_no_store_wide_figures(tmp_path: Path) -> None:
+    """With --prefix the rows count only the tensors under it (no trees), so the store's and
+    the ref's byte accounts do not apply: null, as the table leaves them out."""
+    url, _ = _store_with_other_refs_and_delta_bases(tmp_path)
+    doc = json.loads(run("du", url, "--prefix", "model/", "--json").stdout)
+    assert doc["prefix"] == "model/" and doc["where"] is None
+    assert doc["ratios"]["ref"] is None and doc["ratios"]["store"] is None
+    assert doc["ratios"]["so_far"]["ratio"] == doc["rows"][-1]["cumulative_ratio"]
+    assert "under the store" not in run("du", url, "--prefix", "model/").output

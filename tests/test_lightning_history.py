@@ -52,7 +52,7 @@ def test_log_lists_every_kept_checkpoint_and_last_is_a_ref(tmp_path: Path) -> No
     assert len(logged) == EPOCHS
     assert run("diff", url, "main~2", "main").exit_code == 0
     assert run("diff", url, f"main~{EPOCHS - 1}", "main", "--values").exit_code == 0
-    rows = json.loads(run("du", url, "--json").stdout)
+    rows = json.loads(run("du", url, "--json").stdout)["rows"]
     assert len(rows) == EPOCHS
 
     last = repo.tags()[tag_for(checkpoints.last_model_path)]

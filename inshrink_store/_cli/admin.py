@@ -24,6 +24,7 @@ from inshrink_store._cli.core import (
     progress_bar,
 )
 from inshrink_store._cli.opening import _open
+from inshrink_store.admin import usage_document
 
 
 def verify(url: str, as_json: JsonOpt = False) -> None:
@@ -99,19 +100,20 @@ def du(
     """Per version: logical bytes, new stored bytes, cumulative stored bytes and the ratio so far
     (logical bytes of the versions up to it / their new stored bytes; for a training state the
     weights' and the optimizer's apart); then where every byte under the store is, and the
-    store's ratio: logical bytes of every kept version / every byte under the store."""
+    ratios of the ref (logical bytes of its versions / their new stored bytes and delta bases)
+    and of the store (logical bytes of every kept version / every byte under the store).
+    --json prints the same figures, each ratio with the bytes it divides and what they count."""
     repo = _open(url)
     # the whole store's accounting only where the rows are the whole of each version (no prefix)
-    summary = None if prefix or as_json else repo.du_summary(ref)
+    summary = None if prefix else repo.du_summary(ref)
     rows = summary.rows if summary is not None else repo.du(ref, prefix)
     # a training state's parts apart: the weights' and the optimizer's overall ratios
-    parts = {} if prefix else {name: {r.snapshot: r for r in repo.du(ref, name + "/")}
-                               for name in ("model", "optimizer")}
-    parts = {name: by_id for name, by_id in parts.items() if any(r.logical_bytes for r in by_id.values())}
+    part_rows = {} if prefix else {name: repo.du(ref, name + "/") for name in ("model", "optimizer")}
+    part_rows = {name: found for name, found in part_rows.items() if any(r.logical_bytes for r in found)}
     if as_json:
-        _json([{**r.to_dict(), **{f"{name}_cumulative_ratio": by_id[r.snapshot].cumulative_ratio
-                                  for name, by_id in parts.items()}} for r in rows])
+        _json(usage_document(ref, prefix, rows, summary, part_rows))
         return
+    parts = {name: {r.snapshot: r for r in found} for name, found in part_rows.items()}
     labels = {"model": "weights overall", "optimizer": "optimizer overall"}
     residuals = any(r.residual_bytes for r in rows)
     # no ratio of a version's logical bytes to the bytes it added: a version that dedups
@@ -131,7 +133,7 @@ def du(
         out.print(_du_totals(summary))
         _say(out, f"ratio of {summary.ref}: {_n(len(summary.rows), 'version')}, "
                   f"{_size(summary.ref_logical_bytes)} logical / {_size(summary.ref_stored)} stored "
-                  f"(new stored and delta bases) = {_ratio(summary.ref_logical_bytes / summary.ref_stored if summary.ref_stored else None)}")
+                  f"(new stored and delta bases) = {_ratio(summary.ref_ratio)}")
         _say(out, f"ratio of the store: {_n(summary.kept_versions, 'version')} kept, "
                   f"{_size(summary.kept_logical_bytes)} logical / {_size(summary.total)} under the store "
                   f"= {_ratio(summary.ratio)}")

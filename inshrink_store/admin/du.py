@@ -42,18 +42,29 @@ class UsageRow:
 
     @property
     def ratio(self) -> float:
+        """This version's logical bytes over the bytes it alone added. Not what the version
+        costs: a version that deduplicates against its parent adds a few bytes and reads as
+        thousands (12924x on a user's store), so ``du`` shows it nowhere (issue 43)."""
         return self.logical_bytes / self.new_stored_bytes if self.new_stored_bytes else math.inf
 
     @property
     def cumulative_ratio(self) -> float:
+        """The ratio so far: logical bytes of the versions up to this one over their new stored
+        bytes (what ``du``'s table shows per row)."""
         c = self.cumulative_stored_bytes
         return self.cumulative_logical_bytes / c if c else math.inf
 
     def to_dict(self) -> dict[str, Any]:
+        """The row as ``du --json`` lists it: its fields and its ratio so far (``ratio``, this
+        version alone, is left out for the reason it gives)."""
         d = dict(self.__dict__)
-        d["ratio"] = None if math.isinf(self.ratio) else self.ratio
-        d["cumulative_ratio"] = None if math.isinf(self.cumulative_ratio) else self.cumulative_ratio
+        d["cumulative_ratio"] = _finite(self.cumulative_ratio)
         return d
+
+
+def _finite(ratio: float) -> float | None:
+    """A ratio for JSON: None where nothing was stored (an infinite ratio)."""
+    return None if math.isinf(ratio) else ratio
 
 
 def du(parts: StoreParts, ref: str, prefix: str = "") -> list[UsageRow]:
@@ -113,12 +124,66 @@ class DuSummary:
     def ref_logical_bytes(self) -> int:
         return sum(r.logical_bytes for r in self.rows)
 
+    @property
+    def ref_ratio(self) -> float:
+        """``ref``'s ratio: its versions' logical bytes over the bytes they need (their new
+        stored bytes and the delta bases no row counts)."""
+        return self.ref_logical_bytes / self.ref_stored if self.ref_stored else math.inf
+
     def to_dict(self) -> dict[str, Any]:
         return {"ref": self.ref, "versions": self.versions, "delta_bases": self.delta_bases,
                 "other_refs": self.other_refs, "metadata": self.metadata,
                 "unreferenced": self.unreferenced, "total": self.total,
                 "kept_versions": self.kept_versions, "kept_logical_bytes": self.kept_logical_bytes,
-                "ratio": None if math.isinf(self.ratio) else self.ratio}
+                "ratio": _finite(self.ratio)}
+
+
+#: what each ratio of ``du --json`` counts, said in the document itself
+COUNTS = {
+    "so_far": "logical bytes of the versions up to the newest row / their new stored bytes (each row's "
+              "cumulative_ratio, up to it); leaves out delta bases, other refs and documents",
+    "ref": "logical bytes of the ref's versions / their new stored bytes and the delta bases they need",
+    "store": "logical bytes of every version the store keeps (each in full, as a file per checkpoint) / "
+             "every byte under the store (where.total): what holds against the bytes on disk",
+}
+
+
+def usage_document(ref: str, prefix: str, rows: list[UsageRow], summary: DuSummary | None,
+                   parts: dict[str, list[UsageRow]] | None = None) -> dict[str, Any]:
+    """What ``du --json`` prints: the table's figures, each ratio with the bytes it divides
+    and what they count.
+
+    - ``rows``: each version, oldest first (:meth:`UsageRow.to_dict`), with ``{part}_cumulative_ratio``
+      for each of ``parts`` (e.g. ``model``, ``optimizer``: that part's rows, the same versions);
+    - ``where``: every byte under the store, counted once (None with a ``prefix``: the rows
+      then count only the tensors under it);
+    - ``ratios``: ``so_far`` (the newest row's), ``ref`` and ``store`` (None with a
+      ``prefix``), each ``{logical_bytes, stored_bytes, ratio, counts}``.
+
+    Why: ``du --json`` listed the rows alone, each with its version's own ratio, the figure
+    the table dropped as misleading, and had none of the table's store-wide figures."""
+    by_part = {name: {r.snapshot: r for r in part_rows} for name, part_rows in (parts or {}).items()}
+    listed = [{**r.to_dict(), **{f"{name}_cumulative_ratio": _finite(found[r.snapshot].cumulative_ratio)
+                                 for name, found in by_part.items() if r.snapshot in found}} for r in rows]
+    last = rows[-1] if rows else None
+    ratios: dict[str, Any] = {
+        "so_far": _ratio_entry(last.cumulative_logical_bytes if last else 0,
+                               last.cumulative_stored_bytes if last else 0, COUNTS["so_far"]),
+        "ref": None, "store": None}
+    where = None
+    if summary is not None:
+        where = {key: value for key, value in summary.to_dict().items()
+                 if key in ("versions", "delta_bases", "other_refs", "metadata", "unreferenced", "total")}
+        ratios["ref"] = {"versions": len(summary.rows),
+                         **_ratio_entry(summary.ref_logical_bytes, summary.ref_stored, COUNTS["ref"])}
+        ratios["store"] = {"versions": summary.kept_versions,
+                           **_ratio_entry(summary.kept_logical_bytes, summary.total, COUNTS["store"])}
+    return {"ref": ref, "prefix": prefix, "rows": listed, "where": where, "ratios": ratios}
+
+
+def _ratio_entry(logical: int, stored: int, counts: str) -> dict[str, Any]:
+    return {"logical_bytes": logical, "stored_bytes": stored,
+            "ratio": logical / stored if stored else None, "counts": counts}
 
 
 def du_summary(parts: StoreParts, ref: str) -> DuSummary:

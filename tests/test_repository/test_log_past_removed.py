@@ -49,7 +49,7 @@ def test_log_and_main_n_reach_the_kept_versions_below_a_removed_one(tmp_path: ob
     assert [e["id"] for e in json.loads(logged.stdout)] == [ids[4], ids[3], ids[1]]
     diff = run("diff", url, "main~2", "main", "--json")
     assert diff.exit_code == 0, diff.output
-    rows = json.loads(run("du", url, "--json").stdout)
+    rows = json.loads(run("du", url, "--json").stdout)["rows"]
     assert [r["snapshot"] for r in rows] == [ids[1], ids[3], ids[4]]
     assert run("verify", url).exit_code == 0
 

@@ -345,5 +345,5 @@ def test_cli_log_and_du_show_the_residuals(two_versions) -> None:  # type: ignor
     assert "yes (" in table.output and "no (residual collected)" in table.output
     usage = _invoke("du", url)
     assert usage.exit_code == 0 and "exact resume" in usage.output
-    rows = json.loads(_invoke("du", url, "--json").output)
+    rows = json.loads(_invoke("du", url, "--json").output)["rows"]
     assert [r["residual_bytes"] > 0 for r in rows] == [False, True]  # oldest first
