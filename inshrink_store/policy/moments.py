@@ -53,6 +53,7 @@ from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
 from inshrink_store.plans import ArrayPlan
+from inshrink_store.policy import moment_loop
 from inshrink_store.policy.moment_codebooks import (
     MAX_BINS,
     _PreparedM,
@@ -69,8 +70,10 @@ from inshrink_store.writer import write_threads
 M_KEY, V_KEY = "exp_avg", "exp_avg_sq"
 #: the newest ``metadata["moments"]`` record read; one written is version 1 unless it needs 2
 #: (ExCP's joint v pruning: the policy's ``joint_v_beta``/``residual_alpha``, the pairs'
-#: ``exp_avg_sq_pruned_fraction``), so older readers still read every record they can
-RECORD_VERSION = 2
+#: ``exp_avg_sq_pruned_fraction``) or 3 (closed-loop moments: the pairs' ``*_coding`` and
+#: ``*_kept_fraction``, ``residual_attempts``; the policy's ``closed_loop`` when False), so
+#: older readers still read every record they can and say "upgrade" for the rest
+RECORD_VERSION = 3
 #: the escalation when a tensor's update drifts, per attempt: (prune factor, bins factor, whether
 #: entries whose weight was pruned lose their m too, and with ``joint_v_beta`` their small v).
 #: A weight pruned for a small |w| or |g*w| may still have a large update, so joint pruning is
@@ -105,6 +108,9 @@ class AdamHyper:
 EXCP_ALPHA, EXCP_BETA = 5e-5, 2.0
 #: MomentPolicy's optional ExCP fields (None: off, and then absent from its dict)
 EXCP_FIELDS = ("joint_v_beta", "residual_alpha")
+#: MomentTensorRecord's closed-loop fields (record version 3)
+LOOP_FIELDS = ("exp_avg_coding", "exp_avg_sq_coding", "exp_avg_kept_fraction", "exp_avg_sq_kept_fraction",
+               "residual_attempts")
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,12 @@ class MomentPolicy:
     named thing; the weight side decides by it, the moments never read it. Both are left
     out of :meth:`to_dict` while None, so a default policy's dict is the one older versions
     wrote and read. :meth:`excp` is the published setting.
+
+    ``closed_loop`` (default True): where the caller hands the parent's stored moments (the
+    Checkpointer does, unless ``closed_loop=False``), each float32 moment is stored as a
+    quantized residual against them when that is cheaper and the guard passes the
+    reconstruction (:mod:`inshrink_store.policy.moment_loop`); False codes every version on
+    its own (open loop). Left out of :meth:`to_dict` while True.
     """
 
     exp_avg_bins: int = 16
@@ -140,6 +152,7 @@ class MomentPolicy:
     min_numel: int = 4096
     joint_v_beta: float | None = None
     residual_alpha: float | None = None
+    closed_loop: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -157,6 +170,7 @@ class MomentPolicy:
              "joint_v_beta None (no v pruning) or a finite number > 0 (ExCP: 2.0)", self.joint_v_beta),
             (self.residual_alpha is None or (_is_number(self.residual_alpha) and self.residual_alpha > 0),
              "residual_alpha None or a finite number > 0 (ExCP: 5e-5)", self.residual_alpha),
+            (isinstance(self.closed_loop, bool), "closed_loop a bool", self.closed_loop),
         ]
         for ok, what, got in checks:
             if not ok:
@@ -165,7 +179,8 @@ class MomentPolicy:
     def to_dict(self) -> dict[str, Any]:
         """JSON-native; ``from_dict`` of it gives an equal policy. The ExCP fields appear only
         when set, so a policy without them writes the dict older versions read."""
-        return {k: v for k, v in asdict(self).items() if not (k in EXCP_FIELDS and v is None)}
+        return {k: v for k, v in asdict(self).items()
+                if not (k in EXCP_FIELDS and v is None) and not (k == "closed_loop" and v)}
 
     @classmethod
     def excp(cls) -> MomentPolicy:
@@ -260,7 +275,13 @@ class MomentTensorRecord:
     figures for the stored update, the levels and pruning used, and the attempts made.
     ``pruned_fraction``: of m's entries, the non-zero ones stored as 0;
     ``exp_avg_sq_pruned_fraction`` (only under ``joint_v_beta``): of v's entries, the
-    positive ones stored as 0 by the joint pruning (each with its m)."""
+    positive ones stored as 0 by the joint pruning (each with its m).
+
+    Closed-loop moments (record version 3): ``exp_avg_coding`` / ``exp_avg_sq_coding``, one of
+    "keyframe" (coded on its own, the open-loop values), "residual" (against the parent's
+    stored values) or "unchanged" (the parent's, the moment's bits did not change);
+    ``*_kept_fraction``: of a residual's entries, those left at the parent's value;
+    ``residual_attempts``: residual settings tried. The guard's figures are the stored pair's."""
 
     storage: str
     update_cosine: float | None = None
@@ -271,6 +292,11 @@ class MomentTensorRecord:
     attempts: int = 0
     reason: str | None = None
     exp_avg_sq_pruned_fraction: float | None = None
+    exp_avg_coding: str | None = None
+    exp_avg_sq_coding: str | None = None
+    exp_avg_kept_fraction: float | None = None
+    exp_avg_sq_kept_fraction: float | None = None
+    residual_attempts: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -286,12 +312,15 @@ class MomentRecord:
     skipped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Version 1 unless the ExCP fields are used (then 2: an older reader says "upgrade")."""
+        """Version 1 unless the ExCP fields are used (then 2) or the closed-loop ones (then 3):
+        an older reader says "upgrade" for what it cannot read."""
         policy = None if self.policy is None else self.policy.to_dict()
         tensors = {p: r.to_dict() for p, r in sorted(self.tensors.items())}
         excp = any(k in EXCP_FIELDS for k in policy or {}) or any(
             "exp_avg_sq_pruned_fraction" in t for t in tensors.values())
-        return {"version": 2 if excp else 1, "policy": policy, "tensors": tensors, "skipped": self.skipped}
+        loop = "closed_loop" in (policy or {}) or any(k in LOOP_FIELDS for t in tensors.values() for k in t)
+        return {"version": 3 if loop else 2 if excp else 1, "policy": policy, "tensors": tensors,
+                "skipped": self.skipped}
 
     @classmethod
     def from_dict(cls, data: Any) -> MomentRecord:
@@ -331,6 +360,10 @@ _RECORD_FIELDS: dict[str, Any] = {
     "pruned_fraction": lambda v: _is_number(v) and 0 <= v <= 1, "attempts": lambda v: _is_int(v) and v >= 0,
     "reason": lambda v: isinstance(v, str),
     "exp_avg_sq_pruned_fraction": lambda v: _is_number(v) and 0 <= v <= 1,
+    "exp_avg_coding": lambda v: v in moment_loop.CODINGS, "exp_avg_sq_coding": lambda v: v in moment_loop.CODINGS,
+    "exp_avg_kept_fraction": lambda v: _is_number(v) and 0 <= v <= 1,
+    "exp_avg_sq_kept_fraction": lambda v: _is_number(v) and 0 <= v <= 1,
+    "residual_attempts": lambda v: _is_int(v) and v >= 0,
 }
 
 
@@ -406,6 +439,11 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
                         f"{policy.max_update_error} at every setting tried" if usable else
                         "exp_avg_sq has no finite value >= 0 to build levels from"))
         (m_q, m_cb), (v_q, v_cb), record = chosen
+        entries = (moment_loop.loop_entry(previous, m_path), moment_loop.loop_entry(previous, v_path))
+        if policy.closed_loop and dtype == "F32" and entries[0] is not None and entries[1] is not None:
+            return _closed_pair(policy, (m_path, v_path), (m, v), exact, h, entries,
+                                (moment_loop.keyframe(m_q, m_cb), moment_loop.keyframe(v_q, v_cb)), record,
+                                weight_pruned)
         figures = {"moment": M_KEY, "update_cosine": record.update_cosine,
                    "update_rel_error": record.update_rel_error, "levels": int(m_cb.size),
                    "pruned_fraction": record.pruned_fraction, "protected_fraction": 0.0}
@@ -429,6 +467,52 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
         plans.update(made)
         records[prefix] = record
     return MomentPlans(None, plans, record=MomentRecord(policy, records))
+
+
+def _closed_pair(policy: MomentPolicy, paths: tuple[str, str], moments: tuple[np.ndarray, np.ndarray],
+                 exact: np.ndarray, h: AdamHyper, entries: tuple[Any, Any], keyframes: tuple[Any, Any],
+                 open_loop: MomentTensorRecord,
+                 weight_pruned: np.ndarray | None) -> tuple[dict[str, ArrayPlan], MomentTensorRecord]:
+    """One pair coded closed-loop (:mod:`inshrink_store.policy.moment_loop`): residuals where
+    they are cheaper and the guard passes the reconstruction, keyframes (the open-loop moments,
+    ``keyframes``, guarded as ``open_loop`` records) elsewhere."""
+    m, v = moments
+    _, c2 = h.bias_corrections()
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scale = (np.float32(1.0) / (np.sqrt(np.maximum(v, 0, dtype=np.float32) / np.float32(c2))
+                                    + np.float32(h.eps))).astype(np.float32)
+    scale[~np.isfinite(scale)] = 0.0
+
+    def judge(m_stored: np.ndarray, v_stored: np.ndarray) -> tuple[float, float]:
+        return compare(exact, update(m_stored, v_stored, h))
+
+    def passes(cosine: float, error: float) -> bool:
+        return cosine >= policy.min_update_cosine and error <= policy.max_update_error
+
+    def v_passes(cosine: float, error: float) -> bool:
+        share = moment_loop.V_SHARE
+        return cosine >= 1 - (1 - policy.min_update_cosine) * share and error <= policy.max_update_error * share
+
+    out = moment_loop.choose(m, v, exact, scale, (c2, h.eps), entries, keyframes, judge, passes, v_passes,
+                             weight_pruned)
+    del scale
+    mc, vc = out.m, out.v
+    record = MomentTensorRecord(
+        "quantized", update_cosine=round(out.cosine, 6), update_rel_error=round(out.error, 6),
+        exp_avg_levels=int(mc.codebook.size) if mc.coding != "unchanged" else None,
+        exp_avg_sq_levels=int(vc.codebook.size) if vc.coding != "unchanged" else None,
+        pruned_fraction=round(float(((mc.values == 0) & (m != 0)).mean()), 6) if m.size else 0.0,
+        attempts=open_loop.attempts, exp_avg_sq_pruned_fraction=open_loop.exp_avg_sq_pruned_fraction
+        if vc.coding == "keyframe" else None,
+        exp_avg_coding=mc.coding, exp_avg_sq_coding=vc.coding,
+        exp_avg_kept_fraction=mc.kept if mc.coding == "residual" else None,
+        exp_avg_sq_kept_fraction=vc.kept if vc.coding == "residual" else None,
+        residual_attempts=out.attempts)
+    figures = {"moment": M_KEY, "update_cosine": record.update_cosine, "update_rel_error": record.update_rel_error,
+               "levels": int(mc.codebook.size), "pruned_fraction": record.pruned_fraction, "protected_fraction": 0.0}
+    v_figures = {**figures, "moment": V_KEY, "levels": int(vc.codebook.size),
+                 "pruned_fraction": record.exp_avg_sq_pruned_fraction or 0.0}
+    return moment_loop.loop_plans(paths, moments, out, entries, (figures, v_figures)), record
 
 
 #: working memory of one pair's guard at its peak, bytes per element (measured with tracemalloc

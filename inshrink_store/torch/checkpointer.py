@@ -55,6 +55,7 @@ from inshrink_store.policy import (
     SearchPolicy,
 )
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
+from inshrink_store.policy.moment_loop import with_moment_bases
 from inshrink_store.policy.search import (
     QualityPredictor,
     SaveBudget,
@@ -574,6 +575,9 @@ class Checkpointer:
         # most of the tensor (they keep their value), so its moments are pruned on their own
         params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
         codecs = self._previous_codecs(parent)
+        if self.closed_loop:  # Adam's moments too are coded against the parent's stored values
+            codecs = with_moment_bases(codecs, None if parent is None else self.repo.checkout(parent), arrays,
+                                       dtypes, self.repo.keyframe_interval)
         candidates = Candidates(searched, dtypes, codecs, sensitivity=sensitivity,
                                 module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
                                 optimizer_hyper=adam_hyper(job.state.get("optimizer")),

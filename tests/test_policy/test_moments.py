@@ -547,8 +547,9 @@ old_policies = st.builds(
     max_update_error=st.floats(0.0, 1e6), min_numel=st.integers(1, 10**9))
 positive = st.one_of(st.floats(1e-12, 1e6), st.integers(1, 100))
 valid_policies = st.builds(
-    lambda old, beta, alpha: MomentPolicy(**{**old.to_dict(), "joint_v_beta": beta, "residual_alpha": alpha}),
-    old_policies, st.one_of(st.none(), positive), st.one_of(st.none(), positive))
+    lambda old, beta, alpha, loop: MomentPolicy(**{**old.to_dict(), "joint_v_beta": beta, "residual_alpha": alpha,
+                                                   "closed_loop": loop}),
+    old_policies, st.one_of(st.none(), positive), st.one_of(st.none(), positive), st.booleans())
 
 
 @settings(max_examples=100, deadline=None)
@@ -557,6 +558,7 @@ def test_policy_dict_round_trips_through_json(policy: MomentPolicy) -> None:
     data = json.loads(json.dumps(policy.to_dict()))
     assert MomentPolicy.from_dict(data) == policy
     unset = {k for k in ("joint_v_beta", "residual_alpha") if getattr(policy, k) is None}
+    unset |= {"closed_loop"} if policy.closed_loop else set()  # written only when off
     assert set(data) == set(MomentPolicy.__dataclass_fields__) - unset
     for prune, m_levels, v_levels, _ in policy.attempts():
         assert 0 <= prune <= policy.prune and m_levels <= 255 and v_levels <= 255
@@ -643,7 +645,10 @@ tensor_records = st.builds(
     exp_avg_levels=st.one_of(st.none(), st.integers(1, 255)), exp_avg_sq_levels=st.one_of(st.none(), st.integers(1, 255)),
     pruned_fraction=st.one_of(st.none(), st.floats(0.0, 1.0)), attempts=st.integers(0, 4),
     reason=st.one_of(st.none(), st.text(max_size=30)),
-    exp_avg_sq_pruned_fraction=st.one_of(st.none(), st.floats(0.0, 1.0)))
+    exp_avg_sq_pruned_fraction=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    exp_avg_coding=st.one_of(st.none(), st.sampled_from(["keyframe", "residual", "unchanged"])),
+    exp_avg_sq_kept_fraction=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    residual_attempts=st.one_of(st.none(), st.integers(0, 20)))
 moment_records = st.builds(
     MomentRecord, policy=st.one_of(st.none(), valid_policies),
     tensors=st.dictionaries(st.integers(0, 99).map(lambda i: f"optimizer/state/{i}"), tensor_records, max_size=4),
@@ -656,7 +661,11 @@ def test_record_dict_round_trips_through_json(record: MomentRecord) -> None:
     data = json.loads(json.dumps(record.to_dict()))
     excp = (record.policy is not None and (record.policy.joint_v_beta, record.policy.residual_alpha) != (None, None)
             or any(t.exp_avg_sq_pruned_fraction is not None for t in record.tensors.values()))
-    assert data["version"] == (2 if excp else 1), "version 1 unless the record needs 2: older readers read it"
+    loop = (record.policy is not None and not record.policy.closed_loop) or any(
+        (t.exp_avg_coding, t.exp_avg_sq_kept_fraction, t.residual_attempts) != (None, None, None)
+        for t in record.tensors.values())
+    assert data["version"] == (3 if loop else 2 if excp else 1), \
+        "version 1 unless the record needs 2 or 3: older readers read it"
     assert MomentRecord.from_dict(data) == record
     summary = record.summary()
     assert summary["quantized"] + summary["lossless"] == len(record.tensors)
@@ -685,7 +694,7 @@ GOOD_ENTRY = {"storage": "quantized", "update_cosine": 0.99, "attempts": 1}
 
 @pytest.mark.parametrize("data", [
     None, [], "moments", {"tensors": []}, {"tensors": None},
-    {"version": 3, "tensors": {}}, {"version": "1", "tensors": {}}, {"version": True, "tensors": {}},
+    {"version": 4, "tensors": {}}, {"version": "1", "tensors": {}}, {"version": True, "tensors": {}},
     {"tensors": {PREFIX: None}}, {"tensors": {PREFIX: {"storage": "lossy"}}}, {"tensors": {PREFIX: {}}},
     {"tensors": {PREFIX: GOOD_ENTRY}, "policy": {"bins": 4}},
     {"tensors": {PREFIX: GOOD_ENTRY}, "policy": {"prune": 2.0}},
