@@ -66,6 +66,7 @@ RECORDED = (
     ("search_budget.md", "python benchmarks/bench_search_budget.py"),
     ("frameworks.md", "python benchmarks/bench_frameworks.py"),
     ("scale_state.md", "python benchmarks/bench_scale_state.py"),
+    ("save_cost.md", "python benchmarks/bench_save_cost.py --out benchmarks/recorded/save_cost.md"),
     ("cli_reads.md", "python -m benchmarks.bench_cli_reads"),
 )
 

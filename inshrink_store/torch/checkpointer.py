@@ -459,7 +459,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         job.staged.wait()
         model_state = job.state["model"]
-        job.sensitivity.update({f"model/{n}": (g * model_state[n].float()).abs().numpy()
+        # in place: the EMA is this save's own (handed over by save()), so |g*w| needs no new
+        # tensor-sized array per weight
+        job.sensitivity.update({f"model/{n}": g.mul_(model_state[n].float()).abs_().numpy()
                                 for n, g in job.ema.items() if n in model_state})
         # views, not copies: job.state is this save's own copy (staging.py), read-only from here on
         arrays, dtypes, skeleton = state_to_arrays(job.state, copy=False)

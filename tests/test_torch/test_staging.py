@@ -54,3 +54,25 @@ def test_without_cuda_tensors_there_is_nothing_to_wait_for():
     assert staged.events == []
     staged.wait()
     assert copied["n"] is None and isinstance(copied["t"], tuple) and torch.equal(copied["t"][1], torch.ones(1))
+
+
+def test_a_later_copy_reuses_the_host_buffers_and_still_takes_the_new_values():
+    """CPU tensors land in the previous save's buffers (no fresh allocation to fault in), each
+    with this save's values; a tensor whose shape changed, or a new one, gets a new buffer."""
+    staging = HostStaging()
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3), "ids": torch.arange(4)}
+    first, _ = staging.copy(state)
+    kept = {k: v.data_ptr() for k, v in first.items()}
+    state["w"].add_(1.0)
+    state["b"] = torch.ones(4)  # its shape changed
+    second, _ = staging.copy(state)
+    assert second["w"].data_ptr() == kept["w"] and second["ids"].data_ptr() == kept["ids"]
+    assert second["b"].data_ptr() != kept["b"] and torch.equal(second["b"], torch.ones(4))
+    assert torch.equal(second["w"], torch.arange(6.0).reshape(2, 3) + 1.0)
+    state["w"].add_(1.0)  # the loop goes on: the copy keeps the save's values
+    assert torch.equal(second["w"], torch.arange(6.0).reshape(2, 3) + 1.0)
+    tied = _state()
+    a, _ = staging.copy(tied)
+    b, _ = staging.copy(tied)
+    assert b["model"]["0.weight"] is b["model"]["1.weight"]
+    assert b["model"]["0.weight"].data_ptr() == a["model"]["0.weight"].data_ptr()

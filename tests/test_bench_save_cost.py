@@ -1,0 +1,43 @@
+"""The save-cost benchmark's quick form (benchmarks/bench_save_cost.py --quick): every row of
+issue 42's table is measured on a tiny MLP, the Checkpointer rows with their blocked time,
+and the section names its targets. About 20 s on 2 cores."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_save_cost.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_save_cost_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_quick_form_measures_every_row(tmp_path, capsys):
+    bench = _bench()
+    out = tmp_path / "save_cost.md"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out.rstrip("\n") + "\n"
+    result = bench.run(quick=True, rounds=2, steps=1)
+    rows = bench.summary(result)
+    assert list(rows) == list(bench.ROWS)
+    for row in bench.ROWS:
+        assert len(result["seconds"][row]) >= 1 and rows[row]["seconds"] > 0, row
+    for row in bench.ROWS[2:]:  # the Checkpointer's: blocked is part of the save
+        assert 0 <= rows[row]["blocked"] <= rows[row]["seconds"], row
+    assert result["later_ratio"] > 1.0  # the later saves stored compressed
+    for row in ("Checkpointer lossless", "compressed, first save", "compressed, later saves"):
+        assert f"| {row} |" in text
+    assert "<= 10x" in text and "<= 3x" in text and "<= 1.5x" in text and "blocked <=" in text
