@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inshrink_store as ins  # noqa: E402
 from inshrink_store import cas, manifest  # noqa: E402
 from inshrink_store.codecs import nuq  # noqa: E402
-from inshrink_store.policy import QuantConfig, kmeans, partition, sketch  # noqa: E402
+from inshrink_store.policy import QuantConfig, codebook_choice, kmeans, partition, sketch, snapping  # noqa: E402
 from inshrink_store.storage import local  # noqa: E402
 
 N_PARAMS = 32_500_000
@@ -45,11 +45,11 @@ SAVE_STAGES: list[tuple[str, str, list[tuple[Any, str]], str]] = [
     ("sketch (log-space histogram)", "policy/sketch.py `LogSketch.from_values`",
      [(sketch.LogSketch, "from_values")], "planning"),
     ("k-means (codebook)", "policy/kmeans.py `fit_codebook`",
-     [(kmeans, "fit_codebook"), (partition, "fit_codebook")], "planning"),
-    ("error statistics (partition)", "policy/partition.py `error_stats`",
-     [(partition, "error_stats")], "planning"),
-    ("snap values to levels, zero the pruned (partition)", "policy/partition.py `_snap_pruned`",
-     [(partition, "_snap_pruned")], "planning"),
+     [(kmeans, "fit_codebook"), (partition, "fit_codebook"), (codebook_choice, "fit_codebook")], "planning"),
+    ("error statistics (partition)", "policy/snapping.py `error_stats`",
+     [(snapping, "error_stats"), (partition, "error_stats")], "planning"),
+    ("snap values to levels, zero the pruned (partition)", "policy/snapping.py `snap_pruned`",
+     [(snapping, "snap_pruned"), (partition, "snap_pruned")], "planning"),
     ("NUQ encode (ids + protected values)", "codecs/nuq.py `Quantizer.encode_array`",
      [(nuq.Quantizer, "encode_array")], ""),
     ("entropy coding (zstd of the payload)", "cas.py `ObjectStore._encode`",

@@ -39,7 +39,6 @@ from inshrink_store.policy.partition import (
     PartitionCache,
     QuantizedTensor,
     TensorInput,
-    error_stats,
     protected_mask,
     quantize_tensor,
 )
@@ -49,6 +48,7 @@ from inshrink_store.policy.rate_distortion import LADDER, Option, allocate, tens
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
 from inshrink_store.policy.sensitivity import role_weights, weights_from_sensitivity
 from inshrink_store.policy.sketch import LogSketch
+from inshrink_store.policy.snapping import error_stats
 from inshrink_store.writer import write_threads
 
 

@@ -31,10 +31,10 @@ from inshrink_store.policy.partition import (
     PartitionCache,
     QuantizedTensor,
     TensorInput,
-    error_stats,
     quantize_tensor,
 )
 from inshrink_store.policy.settings import QuantSettings
+from inshrink_store.policy.snapping import error_stats
 
 #: the writer's chunks must keep a row whole: rows wider than this many bytes stay unscaled
 MAX_ROW_BYTES = 1 << 22

@@ -18,7 +18,6 @@ module classes or shapes, never from parameter names.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -28,14 +27,16 @@ import numpy as np
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ZSTD_LEVEL
 from inshrink_store.codecs import _zstd
-from inshrink_store.codecs.nuq import nearest_index, protected_values
+from inshrink_store.codecs.nuq import protected_values
 from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
+from inshrink_store.policy import snapping
 from inshrink_store.policy.codebook_choice import choose_codebook
 from inshrink_store.policy.kmeans import fit_codebook
 from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.sketch import BLOCK, KeyedValues, LogSketch
+from inshrink_store.policy.snapping import error_stats, snap_pruned
 from inshrink_store.writer import write_threads
 
 __all__ = [
@@ -256,78 +257,6 @@ def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction:
     return mask
 
 
-_SNAP_BLOCK = 1 << 16  # elements per block of _snap_pruned: ids and masks stay in L2
-
-
-def _snap_pruned(w: np.ndarray, centres: np.ndarray, protected: np.ndarray, pruned: np.ndarray | None,
-                 scores: np.ndarray | None, threshold: float | None) -> tuple[np.ndarray, int]:
-    """Every element replaced by its nearest centre (float32), the pruned set to +0.0, and how
-    many were pruned.
-
-    The pruned are ``pruned`` (a flat mask) when given, else, with a ``threshold``, the
-    elements whose ``|scores|`` are at most it and that are not ``protected`` (sorted flat
-    positions), found block by block. Ids and masks live in cache-sized blocks: the values
-    are the only array of the tensor's size written, which matters when each write to fresh
-    memory costs a page fault (a search plans a new copy of the model per candidate)."""
-    c32 = centres.astype(np.float32)
-    x = w.reshape(-1)
-    out = np.empty(x.size, np.float32)
-    flat_scores = None if scores is None else np.asarray(scores).reshape(-1)
-    scratch = None if flat_scores is None else np.empty(min(x.size, _SNAP_BLOCK), flat_scores.dtype)
-    count = 0
-    for s in range(0, x.size, _SNAP_BLOCK):
-        e = min(s + _SNAP_BLOCK, x.size)
-        np.take(c32, nearest_index(x[s:e], c32), out=out[s:e], mode="clip")
-        if pruned is not None:
-            mask = pruned[s:e]
-        elif flat_scores is not None and threshold is not None and scratch is not None:
-            magnitudes = np.abs(flat_scores[s:e], out=scratch[:e - s])
-            mask = np.less_equal(magnitudes, threshold)
-            inside = protected[np.searchsorted(protected, s):np.searchsorted(protected, e)]
-            mask[inside - s] = False
-        else:
-            continue
-        count += int(np.count_nonzero(mask))
-        _zero_where(out[s:e], mask)
-    return out.reshape(w.shape), count
-
-
-def _zero_where(out: np.ndarray, mask: np.ndarray) -> None:
-    """``out[mask] = 0.0`` for flat float32 ``out``, as a bitwise and of each word with 0 where
-    ``mask`` is set and all ones elsewhere: the same +0.0 bits, without the boolean store that
-    mispredicts a branch per element (a pruned mask is as random as the weights): 12x faster."""
-    words = out.view(np.int32)
-    np.bitwise_and(words, mask.view(np.int8) - np.int8(1), out=words, casting="unsafe")
-
-
-def error_stats(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
-    """(||w - out|| / ||w||, max |w - out|) over finite elements, blockwise.
-
-    Differences are taken in float32 (both sides are float32; a difference of two floats of
-    one sign and similar size is exact, and these figures are reported, not decided on) and
-    summed in float64 inside ``einsum``: five times faster than widening every block first,
-    and the same figures to about 1e-12."""
-    wf, of = w.ravel(), out.ravel()
-    num = den = peak = 0.0
-    for s in range(0, wf.size, BLOCK):
-        a, o = wf[s:s + BLOCK], of[s:s + BLOCK]
-        if not np.isfinite(a).all():  # non-finite elements are kept as they are: no error
-            fin = np.isfinite(a)
-            a, o = a[fin], o[fin]
-        if not a.size:
-            continue
-        with np.errstate(over="ignore"):
-            d = a - o
-        hi, lo = float(d.max()), float(d.min())
-        if not (math.isfinite(hi) and math.isfinite(lo)):  # overflowed near float32's limit
-            d = a.astype(np.float64) - o
-            hi, lo = float(d.max()), float(d.min())
-        num += float(np.einsum("i,i->", d, d, dtype=np.float64))
-        den += float(np.einsum("i,i->", a, a, dtype=np.float64))
-        peak = max(peak, hi, -lo)
-    return (float(np.sqrt(num / den)) if den > 0 else 0.0), peak
-
-
 @dataclass(frozen=True)
 class Part:
     """What one tensor's masks leave under one protect / prune / metric: the sketch of the
@@ -448,8 +377,8 @@ def protected_positions(values: np.ndarray, sensitivity: np.ndarray | None, frac
                 cut = _top_cut(array, count)
             sources.append((array.reshape(-1), cut))
     found = [np.zeros(0, np.intp)]
-    for s in range(0, flat.size, _SNAP_BLOCK):
-        e = min(s + _SNAP_BLOCK, flat.size)
+    for s in range(0, flat.size, snapping.SNAP_BLOCK):
+        e = min(s + snapping.SNAP_BLOCK, flat.size)
         mask = ~np.isfinite(flat[s:e])
         for array, cut in sources:  # as _top_mask compares
             mag = np.abs(array[s:e])
@@ -557,7 +486,7 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
 
     if cache is not None and name is not None:
         # with the part and codebook cached (every configuration after the first with this
-        # protect / prune / metric), the pruned mask is never made whole: _snap_pruned finds it
+        # protect / prune / metric), the pruned mask is never made whole: snap_pruned finds it
         # block by block, in cache-sized scratch
         protected = _protected_positions(w, t, config, cache, name)
         pruned = None
@@ -580,7 +509,7 @@ def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: floa
         centres, reused = choose_codebook(w, _rest(w.size, protected, pruned), levels, include_zero, dtype, prev,
                                            config.codebook_reuse_tolerance)
     scores = None if prune_threshold is None else _prune_scores(t, _metric(t, config))
-    out, pruned_count = _snap_pruned(w, centres, protected, pruned, scores, prune_threshold)
+    out, pruned_count = snap_pruned(w, centres, protected, pruned, scores, prune_threshold)
     flat = out.reshape(-1)
     if protected.size:
         kept = w.reshape(-1)[protected]

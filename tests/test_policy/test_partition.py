@@ -363,7 +363,7 @@ def _error_stats_float64(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:
 @given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=0, max_size=64),
        st.integers(0, 2**31 - 1))
 def test_error_stats_match_a_float64_reference(values: list[float], seed: int) -> None:
-    from inshrink_store.policy.partition import error_stats
+    from inshrink_store.policy.snapping import error_stats
 
     w = np.array(values, np.float32)
     rng = np.random.default_rng(seed)
@@ -436,16 +436,16 @@ def test_sketch_squared_errors_of_values_far_below_every_centre(magnitude: float
 @settings(max_examples=60, deadline=None)
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=300), data=st.data())
 def test_zeroing_by_a_bitwise_and_is_the_boolean_store(bits, data):
-    """``_zero_where`` writes +0.0 where the mask is set and leaves every other word, NaN
+    """``zero_where`` writes +0.0 where the mask is set and leaves every other word, NaN
     payloads and negative zeros included, as ``out[mask] = 0.0`` does."""
-    from inshrink_store.policy.partition import _zero_where
+    from inshrink_store.policy.snapping import zero_where
 
     values = np.array(bits, np.uint32).view(np.float32)
     mask = data.draw(st.lists(st.booleans(), min_size=values.size, max_size=values.size))
     mask = np.array(mask, bool)
     expected, got = values.copy(), values.copy()
     expected[mask] = 0.0
-    _zero_where(got, mask)
+    zero_where(got, mask)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
@@ -482,9 +482,9 @@ def test_a_shared_cache_plans_zeros_denormals_and_nan_as_no_cache(seed, protect,
 @given(seed=st.integers(0, 10_000), n=st.integers(0, 700), block=st.sampled_from([1, 7, 64, 1 << 16]),
        threshold=st.sampled_from([None, 0.0, 0.01, 0.05]))
 def test_snapping_with_pruning_found_block_by_block_is_the_whole_mask_way(seed, n, block, threshold):
-    """_snap_pruned finding the pruned per block (|scores| <= threshold, protected kept) gives
+    """snap_pruned finding the pruned per block (|scores| <= threshold, protected kept) gives
     the bits and count of the whole-mask way: nearest centre everywhere, then out[pruned] = 0."""
-    from inshrink_store.policy import partition as part_mod
+    from inshrink_store.policy import snapping
 
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal(n) * 0.05).astype(np.float32)
@@ -501,9 +501,9 @@ def test_snapping_with_pruning_found_block_by_block_is_the_whole_mask_way(seed, 
         mask[protected] = False
         expected[mask] = 0.0
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(part_mod, "_SNAP_BLOCK", block)
-        by_block = part_mod._snap_pruned(w, centres, protected, None, None if threshold is None else scores, threshold)
-        by_mask = part_mod._snap_pruned(w, centres, protected, None if threshold is None else mask, None, None)
+        mp.setattr(snapping, "SNAP_BLOCK", block)
+        by_block = snapping.snap_pruned(w, centres, protected, None, None if threshold is None else scores, threshold)
+        by_mask = snapping.snap_pruned(w, centres, protected, None if threshold is None else mask, None, None)
     for got, count in (by_block, by_mask):
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
         assert count == int(np.count_nonzero(mask))
@@ -515,7 +515,7 @@ def test_snapping_with_pruning_found_block_by_block_is_the_whole_mask_way(seed, 
 def test_protected_positions_block_by_block_are_the_masks(seed, n, block, fraction, half, sens):
     """The protected positions found block by block are ``flatnonzero`` of protected_mask:
     non-finite values, ties at the cuts, zeros, float16 values against float32 cuts."""
-    from inshrink_store.policy import partition as part_mod
+    from inshrink_store.policy import snapping
     from inshrink_store.policy.partition import protected_positions
 
     rng = np.random.default_rng(seed)
@@ -526,7 +526,7 @@ def test_protected_positions_block_by_block_are_the_masks(seed, n, block, fracti
     s = np.abs(w.astype(np.float32) * rng.standard_normal(n)).astype(np.float32) if sens else None
     expected = np.flatnonzero(protected_mask(w, s, fraction))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(part_mod, "_SNAP_BLOCK", block)
+        mp.setattr(snapping, "SNAP_BLOCK", block)
         got = protected_positions(w, s, fraction)
         cached = protected_positions(w, s, fraction, cache=PartitionCache(), name="w")
     assert np.array_equal(got, expected) and np.array_equal(cached, expected) and got.dtype == np.intp
