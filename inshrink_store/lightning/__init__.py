@@ -17,7 +17,11 @@ which exist, and resolves ``ckpt_path="last"`` by listing its folder. So each sa
   ``torch.load`` resolves through :func:`load_from_store`): Lightning's own file
   checks (``"last"``, ``-v1`` suffixes, ``save_last="link"``) then work as with torch files.
 
-Lightning is imported here only, never elsewhere in the package: ``pip install
+With :class:`~inshrink_store.lightning.search.InshrinkSearch` among the Trainer's callbacks,
+each save searches the model weights' configuration with an ``eval_fn``, as the Checkpointer
+does (``lightning/search``: the callback hands the plugin the LightningModule).
+
+Lightning is imported in this package only, never elsewhere: ``pip install
 'inshrink-store[lightning]'``.
 """
 
@@ -54,6 +58,7 @@ from inshrink_store.errors import (
     require,
 )
 from inshrink_store.layout import branch_ref_path
+from inshrink_store.lightning.search import InshrinkSearch
 from inshrink_store.policy import QuantConfig, StatePlanner
 from inshrink_store.refs import check_name
 from inshrink_store.repository import Repository
@@ -72,7 +77,7 @@ _cloud = require("lightning.fabric.utilities.cloud_io", "lightning")
 
 log = logging.getLogger(__name__)
 
-__all__ = ["POINTER_FORMAT", "InshrinkCheckpointIO", "load_from_store", "tag_for"]
+__all__ = ["POINTER_FORMAT", "InshrinkCheckpointIO", "InshrinkSearch", "load_from_store", "tag_for"]
 
 #: the ``format`` field of a pointer file, so a torch checkpoint is never mistaken for one
 POINTER_FORMAT = "inshrink-lightning-pointer/1"
@@ -293,7 +298,9 @@ class InshrinkCheckpointIO(CheckpointIO):
     everything else stays exact; then the newest ``exact_resume`` versions (default 1) also keep
     a restore residual, so a resume from them is bit-exact. ``background=True`` copies the
     tensors and commits on a thread, in order with removals and loads (see the guide,
-    docs/guides/lightning.md).
+    docs/guides/lightning.md). :class:`InshrinkSearch` in the Trainer's callbacks (with
+    ``quantize`` left None) searches each save's configuration with an ``eval_fn`` instead;
+    ``exact_resume`` then defaults to 1.
     """
 
     def __init__(self, url: str | Repository, *, branch: str = "main", quantize: QuantConfig | None = None,
@@ -309,6 +316,9 @@ class InshrinkCheckpointIO(CheckpointIO):
                 f"Expected quantize to be None (lossless) or a QuantConfig. Got {type(quantize).__name__} "
                 "instead; e.g. quantize=QuantConfig(bins=16).")
         self.exact_resume = _exact_resume(exact_resume, quantize)
+        self._exact_resume_given = exact_resume
+        #: the search InshrinkSearch attached at the Trainer's setup (None: ``quantize`` decides)
+        self.search: InshrinkSearch | None = None
         self.branch = check_name(branch, "branch")
         self.quantize, self.background = quantize, bool(background)
         self._url = url if isinstance(url, (str, Repository)) else os.fspath(url)
@@ -337,7 +347,8 @@ class InshrinkCheckpointIO(CheckpointIO):
         state = dict(self.__dict__)
         if not isinstance(self._url, Repository):
             state["_repo"] = None
-        state.update(_lock=None, _pool=None, _pending=[])
+        # the search holds the module; a Trainer in another process attaches its own at setup
+        state.update(_lock=None, _pool=None, _pending=[], search=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -357,11 +368,14 @@ class InshrinkCheckpointIO(CheckpointIO):
                 "instead.")
         encoded = _encode(checkpoint, clone=self.background)
         modules = _module_metadata(checkpoint)
+        # the search's scratch model, copied now: training goes on while a background save searches
+        scratch = self.search.scratch_model() if self.search is not None else None
+        names = {_escape_key(k): k for k in checkpoint.get("state_dict") or {}}
         if self.background:  # refuse what the store cannot hold here, not on the thread
             flatten(encoded, lambda x: isinstance(x, (torch.Tensor, np.ndarray)))
-            self._submit(self._save, encoded, modules, path, commit)
+            self._submit(self._save, encoded, modules, path, commit, scratch, names)
         else:
-            self._save(encoded, modules, path, commit)
+            self._save(encoded, modules, path, commit, scratch, names)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint saved at ``path`` (or a branch, tag or snapshot id of the store), as
@@ -425,7 +439,23 @@ class InshrinkCheckpointIO(CheckpointIO):
             f"tags {known}.")
 
     # -- the work, on the caller's thread or the background one ----------------------------------
-    def _save(self, encoded: dict[str, Any], modules: Any, path: Any, commit: Mapping[str, Any]) -> None:
+    def attach_search(self, search: InshrinkSearch) -> None:
+        """Let ``search`` (an :class:`InshrinkSearch`, at the Trainer's setup) decide how each
+        save stores the model weights."""
+        if self.quantize is not None:
+            raise InvalidInputError(
+                f"Expected InshrinkCheckpointIO without quantize= beside InshrinkSearch: the search picks each "
+                f"save's configuration. Got quantize={self.quantize!r} as well instead; drop quantize=, or drop "
+                "InshrinkSearch for a fixed configuration.")
+        if self.search is not None and self.search is not search:
+            raise InvalidInputError(
+                "Expected one InshrinkSearch per InshrinkCheckpointIO. Got a second one instead; pass one callback.")
+        self.search = search
+        if self._exact_resume_given is None:
+            self.exact_resume = 1  # quantized versions: the newest resumes bit-exact, as with quantize=
+
+    def _save(self, encoded: dict[str, Any], modules: Any, path: Any, commit: Mapping[str, Any],
+              scratch: Any = None, names: Mapping[str, str] | None = None) -> None:
         key, tag = path_key(path), tag_for(path)
         step = encoded.get("global_step")
         meta: dict[str, Any] = {"path": key, "tag": tag}
@@ -433,6 +463,12 @@ class InshrinkCheckpointIO(CheckpointIO):
             meta["state_dict_metadata"] = modules
         with self._lock:
             head = self.repo._parts.refs.head(self.branch)
+            quantize: Any = self._planner()
+            metadata: dict[str, Any] = {"lightning": meta}
+            if self.search is not None and scratch is not None:
+                quantize, record = self.search.decide(encoded, names or {}, scratch, self.repo,
+                                                      head[1] if head is not None else None, self.exact_resume)
+                metadata["quantization"] = record.to_dict()
             where: dict[str, Any] = {"branch": self.branch}
             if head is not None and _is_last_save(encoded, key):
                 # a ref, not a version of the branch: on its own branch, off the branch head
@@ -441,10 +477,10 @@ class InshrinkCheckpointIO(CheckpointIO):
                 with contextlib.suppress(NotFoundError):  # the previous last stays tagged until retagged
                     self.repo.delete_branch(where["branch"])
             info = save_state(
-                self.repo, encoded, quantize=self._planner(), **where,
+                self.repo, encoded, quantize=quantize, **where,
                 step=step if isinstance(step, int) and not isinstance(step, bool) else None,
                 message=commit.get("message") or _message(key, encoded), metrics=commit.get("metrics"),
-                metadata={"lightning": meta}, exact_resume=self.exact_resume)
+                metadata=metadata, exact_resume=self.exact_resume)
             moved = self._retag(tag, info.id)
             _write_pointer(path, {"format": POINTER_FORMAT, "store": _store_url(self.repo.url),
                                   "branch": self.branch, "snapshot": info.id, "tag": tag, "step": info.step,

@@ -1,0 +1,169 @@
+"""The configuration search for Lightning's checkpoints: :class:`InshrinkSearch`.
+Layer: Lightning (the ``inshrink_store.lightning`` package), below the CLI, above Hugging Face
+and ``torch``.
+
+``Trainer(plugins=[InshrinkCheckpointIO(url)], callbacks=[InshrinkSearch(eval_fn, tolerance=0.01)])``
+stores each checkpoint's model weights (``state_dict``) with the most aggressive configuration
+whose ``eval_fn`` stays within the tolerance, as the :class:`~inshrink_store.torch.Checkpointer`
+does (the same :class:`~inshrink_store.policy.SearchPolicy`, the same budget by default, each
+save's neighbourhood search starting from the previous save's configuration), instead of the
+fixed ``quantize=QuantConfig`` of the plugin alone.
+
+Why a callback: a ``CheckpointIO`` is handed the checkpoint dict, never the LightningModule,
+and the search scores candidates by running ``eval_fn`` on the model with their values. The
+callback's ``setup`` hands the Trainer's module to the Trainer's ``InshrinkCheckpointIO``; each
+save then copies the module (the scratch model the candidates are scored on, so training goes
+on with the live one, also while a ``background=True`` save searches), searches over the
+checkpoint's own ``state_dict`` tensors, and writes the plans it scored: what is stored is what
+``eval_fn`` judged. The version's ``metadata["quantization"]`` holds the search's record, as a
+Checkpointer version's does (``inshrink log`` shows it).
+
+What the Checkpointer does and this does not: the gradient EMA (pruning here goes by
+magnitude, as without ``observe_gradients``), closed-loop residuals (each version's weights are
+quantized afresh, the paper's open loop) and compressed Adam moments (the optimizer's state stays
+exact, as with the plugin's ``quantize=``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+from typing_extensions import Unpack
+
+from inshrink_store.errors import InvalidInputError, require
+from inshrink_store.policy import Candidates, PlanSet, QuantConfig, QuantizationRecord, SearchPolicy
+from inshrink_store.policy.search import QualityPredictor
+from inshrink_store.policy.search_policy import PolicyArgs
+from inshrink_store.torch.checkpointer_options import CheckpointerOptions
+from inshrink_store.torch.quantized_eval import _QuantizedEval
+from inshrink_store.torch.tensors import state_to_arrays
+from inshrink_store.writer import previous_codecs
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
+else:
+    Callback = require("lightning.pytorch.callbacks", "lightning").Callback
+
+__all__ = ["InshrinkSearch"]
+
+#: where a Lightning checkpoint keeps the model's weights, and where the evaluator looks for them
+_STATE_DICT, _MODEL = "state_dict/", "model/"
+
+
+class InshrinkSearch(Callback):
+    """A Lightning ``Callback`` that makes the Trainer's
+    :class:`~inshrink_store.lightning.InshrinkCheckpointIO` search each checkpoint's
+    configuration with ``eval_fn(model) -> float`` (a quality of the LightningModule, e.g. a
+    held-out loss with ``higher_is_better=False``), as ``Checkpointer(eval_fn=...)`` does.
+
+    ``policy`` (a :class:`~inshrink_store.policy.SearchPolicy`), or the Checkpointer's 0.1
+    keywords ``tolerance``, ``higher_is_better`` and ``space``, say what the search may do;
+    they are checked here, when the callback is made, with the Checkpointer's own checks. The
+    optimizer's state stays exact (the policy's ``optimizer`` is not used). A save with nothing
+    within tolerance stores the weights lossless.
+
+    The Trainer must save through an ``InshrinkCheckpointIO`` made without ``quantize=`` (the
+    search decides it): ``setup`` raises an InvalidInputError naming the fix otherwise. The
+    plugin's ``exact_resume`` defaults to 1 with a search: a resume from the newest version is
+    bit-exact."""
+
+    def __init__(self, eval_fn: Callable[[Any], float], *, policy: SearchPolicy | None = None,
+                 **legacy: Unpack[PolicyArgs]) -> None:
+        if not callable(eval_fn):
+            raise InvalidInputError(
+                f"Expected eval_fn to be a function of the model that returns its quality (a float). Got "
+                f"{type(eval_fn).__name__} instead; e.g. InshrinkSearch(lambda model: held_out_loss(model), "
+                "tolerance=0.01, higher_is_better=False).")
+        if "optimizer_policy" in legacy:
+            raise InvalidInputError(
+                "Expected no optimizer_policy with InshrinkSearch. Got one instead: the optimizer's state of a "
+                "Lightning checkpoint is stored exact; drop it.")
+        options = CheckpointerOptions(eval_fn=eval_fn, policy=policy, legacy=dict(legacy))  # the Checkpointer's checks
+        self.eval_fn = eval_fn
+        #: the policy each save searches with (the optimizer's state is not its to store)
+        self.policy: SearchPolicy = dataclasses.replace(options.resolved_policy, optimizer=None)
+        #: the record of the last save's search (None before one)
+        self.last_record: QuantizationRecord | None = None
+        self._module: Any = None
+        self._previous: QuantConfig | None = None  # the last save's configuration: where the next one starts
+        self._predictor = QualityPredictor()  # the run's evaluations, which rank a budgeted search's candidates
+        #: (the weights' hash, plans, record) of the last search: a save of the same weights reuses them
+        self._last: tuple[str, PlanSet | None, QuantizationRecord] | None = None
+
+    # -- Lightning's hooks -----------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Hand the Trainer's module to the Trainer's InshrinkCheckpointIO (an InvalidInputError
+        when the Trainer saves through another IO, or through one made with ``quantize=``)."""
+        from inshrink_store.lightning import InshrinkCheckpointIO
+
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        inner = getattr(io, "checkpoint_io", None)  # Lightning's AsyncCheckpointIO wraps the plugin
+        found = io if isinstance(io, InshrinkCheckpointIO) else inner if isinstance(inner, InshrinkCheckpointIO) else None
+        if found is None:
+            raise InvalidInputError(
+                f"Expected the Trainer to save through an InshrinkCheckpointIO with InshrinkSearch in its callbacks. "
+                f"Got {type(io).__name__} instead: add plugins=[InshrinkCheckpointIO(url)] to the Trainer, or drop "
+                "InshrinkSearch.")
+        found.attach_search(self)
+        self._module = pl_module
+
+    # -- what the plugin asks ----------------------------------------------------------------------
+    def scratch_model(self) -> Any:
+        """A copy of the module as it is now (the save's), which the candidates are scored on."""
+        if self._module is None:
+            raise InvalidInputError(
+                "Expected InshrinkSearch to be set up by the Trainer before a save. Got a save without it instead: "
+                "pass the callback to the Trainer that fits (Trainer(callbacks=[search], plugins=[io])).")
+        return copy.deepcopy(self._module)
+
+    def decide(self, checkpoint: Mapping[str, Any], names: Mapping[str, str], model: Any, repo: Any,
+               parent: str | None, exact_resume: int) -> tuple[PlanSet | None, QuantizationRecord]:
+        """(the plans to write, the record for ``metadata["quantization"]``) of one save:
+        ``checkpoint`` the dict as the plugin stores it (keys escaped), ``names`` each escaped
+        ``state_dict`` key -> the module's own name, ``model`` the scratch copy holding the
+        saved weights, ``parent`` the version the save's objects are coded against.
+
+        Why the plans, not their configuration: the writer stores exactly what ``eval_fn``
+        scored (with the parent's codebooks, as the writer would plan them). A save of the same
+        weights as the last search's (``ModelCheckpoint``'s ``last.ckpt``, right after the
+        top-k file of the same step) writes that search's plans: no second search."""
+        arrays, dtypes, _ = state_to_arrays({"state_dict": checkpoint.get("state_dict") or {}}, copy=False)
+        weights = _weights_hash(arrays)
+        if self._last is not None and self._last[0] == weights:
+            return self._last[1], self._last[2]
+        kinds = {f"{_STATE_DICT}{name}.{p}": type(module).__name__ for name, module in model.named_modules()
+                 for p, _ in module.named_parameters(recurse=False)}
+        codecs = {} if parent is None else previous_codecs(repo.checkout(parent).view)
+        candidates = Candidates(arrays, dtypes, codecs, module_kinds=kinds, keep=self.policy.keep,
+                                scope=_STATE_DICT)
+        to_model = {path: _MODEL + names.get(path[len(_STATE_DICT):], path[len(_STATE_DICT):]) for path in arrays}
+        originals = {name[len(_MODEL):]: _host(checkpoint["state_dict"][path[len(_STATE_DICT):]])
+                     for path, name in to_model.items()}
+        evaluate = _QuantizedEval(self.eval_fn, model, {to_model[p]: d for p, d in dtypes.items()}, originals,
+                                  lambda plans: {to_model[p]: plans[p] for p in plans if p in to_model})
+        # without restore residuals a resume loads what is stored: the policy's resume space
+        policy = self.policy if exact_resume else self.policy.resuming()
+        decision = policy.decide(candidates, evaluate, previous=self._previous, predictor=self._predictor)
+        self._previous, self.last_record = decision.record.config, decision.record
+        self._last = (weights, decision.plans, decision.record)
+        return decision.plans, decision.record
+
+
+def _weights_hash(arrays: Mapping[str, Any]) -> str:
+    """One hash of every array's path, dtype, shape and bytes."""
+    hasher = xxhash.xxh3_128()
+    for path in sorted(arrays):
+        array = np.ascontiguousarray(arrays[path])
+        hasher.update(f"{path}:{array.dtype.str}:{array.shape};".encode())
+        hasher.update(array.view(np.uint8).reshape(-1).data)
+    return hasher.hexdigest()
+
+
+def _host(tensor: Any) -> Any:
+    """The saved value on the CPU, where the evaluator's originals are kept (a copy only off the CPU)."""
+    return tensor.detach().to("cpu")
