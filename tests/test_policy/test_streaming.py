@@ -163,3 +163,39 @@ def test_a_frozen_layer_is_not_quantized_again(tmp_path: Any, monkeypatch: pytes
         b = repo.checkout(second.id)
         np.testing.assert_array_equal(a, b.read("model/0.weight"))
         assert b.index.array("model/0.weight").attributes.get("unchanged") is True
+
+
+@pytest.mark.parametrize("eval_fn", [None, lambda m: 1.0])
+def test_streamed_saves_store_the_bytes_of_plans_made_up_front(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                               eval_fn: Any) -> None:
+    """Three Checkpointer saves (a keyframe, then closed-loop residuals of the weights and the
+    moments): the same root trees and moment records whether the plans stream or not."""
+    from inshrink_store.policy.search_policy import SearchPolicy as Policy
+
+    decide = Policy.decide
+
+    def runs(stream: bool) -> list[tuple[str, Any]]:
+        def forced(self: Any, *args: Any, **kwargs: Any) -> Any:
+            kwargs["stream"] = stream
+            return decide(self, *args, **kwargs)
+
+        monkeypatch.setattr(Policy, "decide", forced)
+        model, opt = _model(3, 80)
+        x = torch.randn(16, 80)
+        repo = ins.open(str(tmp_path / f"store-{stream}"), create=True)
+        out = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Checkpointer(repo, model, opt, eval_fn=eval_fn) as ck:
+                for step in range(3):
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    opt.step()
+                    ck.observe_gradients()
+                    ck.save(step)
+                    info = ck.wait()
+                    assert info is not None
+                    out.append((info.root, info.metadata["moments"]))
+        return out
+
+    assert runs(True) == runs(False)
