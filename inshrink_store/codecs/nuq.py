@@ -42,33 +42,29 @@ from zarr.registry import register_codec as register_zarr_codec
 from inshrink_store import dtypes
 from inshrink_store.codecs import _gpu, _payload, _quant_loops
 from inshrink_store.codecs._config import check_config, named_configuration
+from inshrink_store.codecs._nuq_config import (
+    CODEC_ID,
+    CONFIG_KEYS,
+    check_scaled_centres,
+    check_scales,
+    config_choice,
+    config_codebook,
+    config_scales,
+    tolerance_from_json,
+    tolerance_to_json,
+)
+from inshrink_store.codecs._nuq_config import (
+    MAX_SCALES as MAX_SCALES,  # public here: channel-scaled planning and its tests read it
+)
 from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
 
-CODEC_ID = "inshrink.nuq"
 #: element dtypes the codec quantizes: every quantizable entry of the dtype registry
 ELEMENT_DTYPES = dtypes.CODEC_NAMES
 #: formats a protected value may be stored in (the payload's own table of word formats)
 PROTECTED_DTYPES = tuple(_payload.PROTECTED_CODES)
 _BLOCK = 1 << 16  # elements per encode block: x, ids and temporaries stay in L2
 _COMPARE_LOOP_MAX = 64  # midpoints up to which counting compares beats searchsorted
-
-
-def _tolerance_from_json(value: Any) -> float:
-    if isinstance(value, str) and value == "inf":
-        return math.inf
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
-        raise FormatError(
-            f"Expected tolerance as a number >= 0 or the string 'inf'. Got {value!r} instead."
-        )
-    tol = float(value)
-    if not tol >= 0:
-        raise FormatError(f"Expected tolerance >= 0 (or 'inf'). Got {value!r} instead.")
-    return tol
-
-
-def _tolerance_to_json(value: float) -> float | str:
-    return "inf" if math.isinf(value) else value
 
 
 def midpoints(centres: np.ndarray) -> np.ndarray:
@@ -182,9 +178,9 @@ class Quantizer:
         object.__setattr__(self, "element", element)
         object.__setattr__(self, "protected", dtypes.by_codec_name(self.protected_dtype))
         object.__setattr__(self, "id_dtype", _payload.id_dtype(_payload.id_width_for(self.levels)))
-        object.__setattr__(self, "scale32", None if self.scales is None else _check_scales(self.scales, self.dtype))
+        object.__setattr__(self, "scale32", None if self.scales is None else check_scales(self.scales, self.dtype))
         if self.scale32 is not None:
-            _check_scaled_centres(centres, self.scale32)
+            check_scaled_centres(centres, self.scale32)
 
     # lookup tables derived in __post_init__ (not part of the identity)
     centres: np.ndarray = field(init=False, repr=False, compare=False)
@@ -430,62 +426,6 @@ def quantizer(codebook: tuple[float, ...], tolerance: float, protected_dtype: st
     return Quantizer(codebook, tolerance, protected_dtype, dtype, scales)
 
 
-#: the most scales a configuration may carry (one per element of the last axis; they live in
-#: zarr.json, so a wider array stays unscaled)
-MAX_SCALES = 65536
-
-
-def _check_scales(scales: tuple[float, ...], dtype: str) -> np.ndarray:
-    """The scales as float32, after the checks the writer and every reader share: float32
-    elements only, 1..MAX_SCALES numbers, each finite, > 0 and exactly a float32."""
-    if dtype != "float32":
-        raise FormatError(f"Expected scales only with dtype 'float32' in the {CODEC_ID} configuration. "
-                          f"Got scales with dtype {dtype!r} instead.")
-    if not 1 <= len(scales) <= MAX_SCALES:
-        raise FormatError(f"Expected 1..{MAX_SCALES} scales in the {CODEC_ID} configuration. "
-                          f"Got {len(scales)} instead.")
-    s64 = np.asarray(scales, np.float64)
-    with np.errstate(over="ignore"):
-        s32 = s64.astype(np.float32)
-    # normal float32 only: a subnormal scale rounds the scaled centres together
-    bad = ~(np.isfinite(s32) & (s32 >= np.finfo(np.float32).tiny) & (s32.astype(np.float64) == s64))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise FormatError(f"Expected every scale of the {CODEC_ID} configuration to be a finite float32 "
-                          f"> 0. Got scales[{i}] = {scales[i]!r} instead.")
-    s32.setflags(write=False)
-    return s32
-
-
-def _check_scaled_centres(centres: np.ndarray, scales: np.ndarray) -> None:
-    """Every column's scaled centres (float32 products) finite and strictly ascending: two
-    centres that one scale rounds together would make decoding then encoding move an id."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        scaled = np.multiply(centres[None, :], scales[:, None], dtype=np.float32)
-        ok = np.isfinite(scaled).all(axis=1) & (np.diff(scaled, axis=1) > 0).all(axis=1)
-    if not ok.all():
-        j = int(np.flatnonzero(~ok)[0])
-        raise FormatError(
-            f"Expected the codebook's centres times every scale to stay finite and distinct in float32. "
-            f"Got scales[{j}] = {float(scales[j])!r}, which overflows or rounds two centres together, instead."
-        )
-
-
-def _scales(values: Any) -> tuple[float, ...] | None:
-    """The ``scales`` key from JSON or Python: None, or a tuple of floats (checked later)."""
-    if values is None:
-        return None
-    ok = isinstance(values, list | tuple | np.ndarray)
-    if ok and not isinstance(values, np.ndarray):
-        ok = all(isinstance(c, int | float | np.integer | np.floating) and not isinstance(c, bool) for c in values)
-    if not ok:
-        raise FormatError(f"Expected scales as a list of numbers or null in the {CODEC_ID} configuration. "
-                          f"Got {values!r:.80} instead.")
-    try:
-        return tuple(float(c) for c in np.asarray(values, np.float64).reshape(-1))
-    except (OverflowError, TypeError, ValueError):
-        raise FormatError(f"Expected scales as finite numbers in the {CODEC_ID} configuration. "
-                          f"Got {values!r:.80} instead.") from None
 
 
 def protected_values(values: np.ndarray, dtype: str, protected_dtype: str) -> np.ndarray:
@@ -497,38 +437,6 @@ def protected_values(values: np.ndarray, dtype: str, protected_dtype: str) -> np
     with np.errstate(over="ignore"):
         carrier = np.asarray(q.element.from_float32(np.asarray(values, np.float32)))
     return q.protected_values(carrier.astype(_carrier(dtype), copy=False))
-
-
-_MAX_CENTRES = 65534
-CONFIG_KEYS = ("codebook", "tolerance", "protected_dtype", "dtype", "scales")
-
-
-def _codebook(values: Any) -> tuple[float, ...]:
-    ok = isinstance(values, list | tuple | np.ndarray) and len(values) <= _MAX_CENTRES
-    if ok and not isinstance(values, np.ndarray):
-        ok = all(
-            isinstance(c, int | float | np.integer | np.floating) and not isinstance(c, bool)
-            for c in values
-        )
-    try:
-        codebook = tuple(float(c) for c in np.asarray(values).reshape(-1)) if ok else None
-    except (OverflowError, TypeError, ValueError):
-        codebook = None
-    if codebook is None:
-        raise FormatError(
-            f"Expected codebook as a list of 1..{_MAX_CENTRES} numbers. "
-            f"Got {values!r:.80} instead."
-        )
-    return codebook
-
-
-def _choice(value: Any, name: str, allowed: tuple[str, ...], none_ok: bool = False) -> Any:
-    if (value is None and none_ok) or (isinstance(value, str) and value in allowed):
-        return value
-    raise FormatError(
-        f"Expected {name} in {allowed}{' or null' if none_ok else ''} in the {CODEC_ID} "
-        f"configuration. Got {value!r:.80} instead."
-    )
 
 
 class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec is Any
@@ -543,11 +451,11 @@ class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec i
     def __init__(self, codebook: list[float] | tuple[float, ...], tolerance: float | str = 0.0,
                  protected_dtype: str = "bfloat16", dtype: str = "float32",
                  scales: list[float] | tuple[float, ...] | None = None) -> None:
-        self.codebook = list(_codebook(codebook))
-        self.tolerance = _tolerance_from_json(tolerance)
-        self.protected_dtype = _choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES)
-        self.dtype = _choice(dtype, "dtype", ELEMENT_DTYPES)
-        scaled = _scales(scales)
+        self.codebook = list(config_codebook(codebook))
+        self.tolerance = tolerance_from_json(tolerance)
+        self.protected_dtype = config_choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES)
+        self.dtype = config_choice(dtype, "dtype", ELEMENT_DTYPES)
+        scaled = config_scales(scales)
         self.scales = None if scaled is None else list(scaled)
         self._q = quantizer(tuple(self.codebook), self.tolerance, protected_dtype, dtype, scaled)
 
@@ -562,7 +470,7 @@ class NUQ(Codec):  # type: ignore[misc]  # numcodecs ships no types: its Codec i
 
     def get_config(self) -> dict[str, Any]:
         config = {"id": CODEC_ID, "codebook": list(self.codebook),
-                  "tolerance": _tolerance_to_json(self.tolerance),
+                  "tolerance": tolerance_to_json(self.tolerance),
                   "protected_dtype": self.protected_dtype, "dtype": self.dtype}
         if self.scales is not None:
             config["scales"] = list(self.scales)
@@ -644,12 +552,12 @@ class NUQZarrCodec(ArrayBytesCodec):
 
     def __init__(self, *, codebook: Any, tolerance: Any = 0.0, protected_dtype: str = "bfloat16",
                  dtype: str | None = None, scales: Any = None) -> None:
-        object.__setattr__(self, "codebook", _codebook(codebook))
-        object.__setattr__(self, "tolerance", _tolerance_from_json(tolerance))
+        object.__setattr__(self, "codebook", config_codebook(codebook))
+        object.__setattr__(self, "tolerance", tolerance_from_json(tolerance))
         object.__setattr__(self, "protected_dtype",
-                           _choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES))
-        object.__setattr__(self, "dtype", _choice(dtype, "dtype", ELEMENT_DTYPES, none_ok=True))
-        object.__setattr__(self, "scales", _scales(scales))
+                           config_choice(protected_dtype, "protected_dtype", PROTECTED_DTYPES))
+        object.__setattr__(self, "dtype", config_choice(dtype, "dtype", ELEMENT_DTYPES, none_ok=True))
+        object.__setattr__(self, "scales", config_scales(scales))
         quantizer(self.codebook, self.tolerance, protected_dtype, dtype or "float32", self.scales)  # validates
 
     @classmethod
@@ -663,7 +571,7 @@ class NUQZarrCodec(ArrayBytesCodec):
 
     def to_dict(self) -> dict[str, Any]:
         config: dict[str, Any] = {"codebook": list(self.codebook),
-                                  "tolerance": _tolerance_to_json(self.tolerance),
+                                  "tolerance": tolerance_to_json(self.tolerance),
                                   "protected_dtype": self.protected_dtype}
         if self.dtype is not None:
             config["dtype"] = self.dtype

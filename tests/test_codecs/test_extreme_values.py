@@ -20,8 +20,9 @@ import inshrink_store
 from inshrink_store import dtypes
 from inshrink_store.codecs.nuq import NUQ
 from inshrink_store.policy import QuantConfig
+from inshrink_store.policy.codebook_choice import previous_codebook
 from inshrink_store.policy.kmeans import largest_finite
-from inshrink_store.policy.partition import TensorInput, _previous, quantize_tensor
+from inshrink_store.policy.partition import TensorInput, quantize_tensor
 from inshrink_store.policy.planner import array_plan
 
 DTYPES = ("F32", "F16", "BF16")
@@ -81,7 +82,7 @@ def test_a_previous_codebook_past_the_dtypes_range_is_not_reused():
     big = np.float32(largest_finite("F32"))
     values = _carrier(np.linspace(-60000, 60000, 4096, dtype=np.float32), "F16").reshape(64, 64)
     t = TensorInput(values.astype(np.float32), dtype="F16", previous_codebook=(-float(big), 0.0, float(big)))
-    assert _previous(t.previous_codebook, "F16", include_zero=False, levels=3) is None
+    assert previous_codebook(t.previous_codebook, "F16", include_zero=False, levels=3) is None
     q = quantize_tensor(t, QuantConfig(bins=3, protect=0.0))
     assert not q.stats["codebook_reused"]
     assert np.all(np.isfinite(q.codebook)) and np.all(np.abs(q.codebook) <= largest_finite("F16"))
