@@ -539,7 +539,8 @@ def _box_around(space: SearchSpace, previous: SearchPoint) -> tuple[Index, Index
 
 def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error: Callable[[SearchPoint], float],
                     evaluate: Callable[[SearchPoint], tuple[bool, float, float]], *, predictor: QualityPredictor,
-                    tolerance: float, budget: SaveBudget, start_error: float, previous: HasSearchAxes | None = None,
+                    tolerance: float, budget: SaveBudget, start_error: float | Callable[[], float],
+                    previous: HasSearchAxes | None = None,
                     space: SearchSpace | None = None, metrics_available: Sequence[str] = METRICS) -> SearchResult:
     """The highest-ratio point confirmed feasible within ``budget`` (None: none confirmed).
 
@@ -551,7 +552,8 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
     and bound above, so only the errors it needs are measured). The search keeps a bracket on
     ``E``: below ``lo`` nothing beats the best confirmed point, ``hi`` is the least error
     refused. Each round's ``theta`` is where the fit reaches the tolerance (a save's first
-    guess :data:`MARGIN` inside it; with no fit yet, ``start_error``), or the bracket's
+    guess :data:`MARGIN` inside it; with no fit yet, ``start_error``, or what it returns: a
+    later save, which has a fit, never estimates it), or the bracket's
     geometric middle when that lies outside it; a threshold whose candidate is nothing new
     raises ``lo`` to it without an evaluation. A later save's neighbourhood search stops as
     soon as the fit predicts that nothing above its confirmed point holds; a first or keyframe
@@ -645,8 +647,11 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
 
     def middle(lo: float, hi: float) -> float:
         if math.isinf(hi):
-            return lo * GROW if lo > 0 else start_error
+            return lo * GROW if lo > 0 else start()
         return math.sqrt(lo * hi) if lo > 0 else hi / GROW
+
+    def start() -> float:
+        return float(start_error()) if callable(start_error) else float(start_error)
 
     explore = box is None
     lo, hi = 0.0, math.inf
@@ -663,7 +668,7 @@ def budgeted_search(measure_ratio: Callable[[SearchPoint], float], measure_error
             break
         theta = predictor.threshold(tolerance) * (MARGIN if first_guess else 1.0)
         if math.isinf(theta):
-            theta = start_error if first_guess else math.inf
+            theta = start() if first_guess else math.inf
         first_guess = False
         if not lo < theta < hi:
             if theta <= lo and best is not None and not explore:

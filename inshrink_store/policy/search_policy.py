@@ -404,7 +404,7 @@ class SearchPolicy:
 
         on_axes = previous is not None and _on_axes(self.space, SearchPoint.of(previous))
         result = budgeted_search(measure_ratio, measure_error, run, predictor=predictor, tolerance=self.tolerance,
-                                 budget=budget, start_error=candidates.predicted_error(base),
+                                 budget=budget, start_error=lambda: candidates.predicted_error(base),
                                  previous=previous if on_axes else None, space=self.space,
                                  metrics_available=candidates.metrics_available)
         return self._measured_choice(candidates, result, base)

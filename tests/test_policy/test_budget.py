@@ -409,3 +409,28 @@ def test_a_keyframe_search_of_a_later_save_does_not_rank_by_the_earlier_estimate
     fresh = _Drifted(2.0, 1.0)
     again = _search(fresh, SaveBudget(8, kind="keyframe"), predictor, previous=None)
     assert all(t.ratio == pytest.approx(fresh.ratio(t.point)) for t in again.trials)
+
+
+def test_a_later_save_with_a_fit_never_estimates_the_start_error() -> None:
+    """The start error (the base configuration's estimate, a codebook fit per tensor) only
+    seeds a search that has no fit yet: a later save asks for it lazily and, with a fit, never."""
+    cube = Cube(seed=2, k=4.0, bend=0.0, jitter=0.0)
+    predictor = QualityPredictor()
+    asked: list[int] = []
+
+    def start() -> float:
+        asked.append(1)
+        return cube.error(SearchPoint(16, 0.0, "magnitude", 0.005))
+
+    evaluate = cube.evaluate(0.05)
+    first_budget = SaveBudget(8)
+    first_budget.baseline = first_budget.call(lambda: 1.0)
+    first = budgeted_search(cube.ratio, cube.error, lambda p: _counted(first_budget, evaluate, p),
+                            predictor=predictor, tolerance=0.05, budget=first_budget, start_error=start, space=SPACE)
+    assert asked and first.best is not None and predictor.slope is not None
+    asked.clear()
+    later_budget = SaveBudget(3, kind="later")
+    later_budget.baseline = later_budget.call(lambda: 1.0)
+    budgeted_search(cube.ratio, cube.error, lambda p: _counted(later_budget, evaluate, p), predictor=predictor,
+                    tolerance=0.05, budget=later_budget, start_error=start, previous=first.best, space=SPACE)
+    assert asked == []
