@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 import inshrink_store as ins
+from benchmarks.evaluate import rollback
 from benchmarks.evaluate.baselines import BaselineStore, Codec, VersionBytes, zstd
 from benchmarks.evaluate.state import Captured, capture, load, load_weights
 from benchmarks.evaluate.workloads import Workload
@@ -42,6 +43,10 @@ class Usage:
     background_s: float = 0.0
     exact_resumes: int = 0
     metadata_zstd: float = 1.0  # what another zstd pass would leave of the per-array documents
+    #: bytes of the ``optimizer/`` tensors over all versions: (logical, stored); the store only
+    moments: tuple[int, int] | None = None
+    #: the rollback check (:mod:`benchmarks.evaluate.rollback`), when the method asks for one
+    rollback: dict[str, Any] | None = None
 
 
 def store_versions(repo: Any) -> list[VersionBytes]:
@@ -95,6 +100,9 @@ class Ours:
     keyframe_interval: int | None = None
     regroup: bool = True
     gradients: bool = True
+    #: with exact resume: after the run, restore the version at this fraction of the run lossy
+    #: and train on (:mod:`benchmarks.evaluate.rollback`); 0: no rollback check
+    rollback_at: float = 0.0
 
     def policy(self, tolerance: float, higher_is_better: bool) -> SearchPolicy:
         resume = {"resume_space": self.space} if self.paper_space else {}
@@ -157,8 +165,11 @@ class OursRun:
         repo = ins.open(self.url)
         residual = sum(r.residual_bytes for r in repo.du())
         settings = [_config_label(i.metadata.get("quantization", {}).get("config")) for i in reversed(repo.log())]
+        rows = repo.du(prefix="optimizer/")
+        moments = (sum(r.logical_bytes for r in rows), sum(r.new_stored_bytes for r in rows))
+        checked = rollback.check(self.workload, self.url, self.spec.rollback_at) if self.spec.rollback_at else None
         return Usage(store_versions(repo), residual, settings, self.background_s, self.exact,
-                     tree_zstd_ratio(Path(self.url)))
+                     tree_zstd_ratio(Path(self.url)), moments, checked)
 
 
 # -- the baselines ----------------------------------------------------------------------------------

@@ -24,10 +24,12 @@ from inshrink_store.policy.search import SearchSpace
 
 TOLERANCE = 0.05  # the search's tolerance, relative: the library's default (and the paper's)
 FAILURES = 10
+#: the default run's rollback check restores the version at this fraction of the run (lossy)
+ROLLBACK_AT = 0.5
 
 #: the methods of the main table, every one with 10 failures; key -> method
 MAIN: dict[str, Any] = {
-    "ours": Ours("ours", "ours, default (exact resume)"),
+    "ours": Ours("ours", "ours, default (exact resume)", rollback_at=ROLLBACK_AT),
     "ours-er0": Ours("ours-er0", "ours, exact_resume=0 (resume space)", exact_resume=0),
     "ours-paper": Ours("ours-paper", "ours, lossy resumes, full space (the paper's setting)", exact_resume=0,
                        paper_space=True),

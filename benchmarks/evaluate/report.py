@@ -149,6 +149,36 @@ def bytes_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rollback_lines(results: dict[str, Any]) -> list[str]:
+    """The default run's rollback check per workload (none in results saved before it existed)."""
+    rows = []
+    for name, work in results["workloads"].items():
+        usage = results["runs"][name]["ours"]["usage"]
+        check = usage.get("rollback")
+        if not check:
+            continue
+        metric = work["metric"]
+        reference = metrics.quality(results["runs"][name]["reference"], metric)
+        changes = [pct(metrics.change(reference, float(check[v]["final"][metric]), metric))
+                   for v in ("stored", "moments reset")]
+        moments = usage.get("moments")
+        ratio = x(moments[0] / max(moments[1], 1)) if moments else "-"
+        rows.append(f"| {work['title']} | {check['version']} of {work['checkpoints']} (step "
+                    f"{check['stored']['step']}) | {ratio} | {changes[0]} | {changes[1]} |")
+    if not rows:
+        return []
+    return ["## Rollback check", "",
+            "With the default exact resume a restart never reads the lossy values: the newest version's "
+            "restore residual gives back the exact bits. What the lossy history is for is rollbacks, "
+            "evaluations and exports. Here the default run's middle version (older than the newest, so it "
+            "has no residual) is restored into a fresh process and trained on to the end on the same "
+            "batches; training on from the exact state at that step is the reference itself. The last "
+            "column drops Adam's state after the same restore (a checkpoint without moments); change of the "
+            "final quality, positive when worse (`benchmarks/evaluate/rollback.py`).", "",
+            "| workload | version restored | moments ratio | final change, stored moments | "
+            "final change, moments dropped |", "|---|---|---|---|---|", *rows, ""]
+
+
 def probe_lines(results: dict[str, Any]) -> list[str]:
     """The tensors the search's tolerance runs out on first, per workload."""
     lines = []
@@ -392,6 +422,7 @@ def page(results: dict[str, Any], command: str, wall_s: float, images: str) -> s
     ]
     for name, work in results["workloads"].items():
         parts += ["", f"### {work['title']}", "", *main_table(results, name), "", settings_line(results, name)]
+    parts += ["", *rollback_lines(results)]
     parts += [
         "", "## Ratio against quality", "",
         "Every method of the tables above, one point each (lossless ones at 0 % change); the dashed "

@@ -3,7 +3,7 @@
     python -m benchmarks.evaluate.single cnn                    # ours (closed-loop moments) and ours with open-loop moments
     python -m benchmarks.evaluate.single lm --methods ours,excp
     python -m benchmarks.evaluate.single transfer --quick       # the evaluation's tiny size (seconds)
-    python -m benchmarks.evaluate.single cnn --rollback 12      # and a rollback to version 12 of each run
+    python -m benchmarks.evaluate.single cnn --rollback-at 0.5  # and a rollback to the run's middle version
 
 Why: the whole evaluation (``python -m benchmarks evaluate --no-finetune``) runs every method,
 ablation and sweep on three workloads, about 22 minutes on 2 cores; a change to how one part of
@@ -13,7 +13,8 @@ tolerance 5 %, the same reference), and the table adds the moments' ratio (``opt
 tensors: Adam's moments and step counters) beside the weights and the history.
 
 Methods: the keys of :data:`benchmarks.evaluate.plan.MAIN` plus ``ours-open`` (the default with
-``MomentPolicy(closed_loop=False)``: moments coded open loop, as before closed-loop moments).
+``MomentPolicy(closed_loop=False)``: moments coded open loop, as before closed-loop moments) and
+``ours-loose`` (the default with the moments' guard loosened to :data:`LOOSE_MOMENTS`).
 """
 
 from __future__ import annotations
@@ -25,87 +26,31 @@ import time
 import warnings
 from typing import Any
 
-import inshrink_store as ins
 from benchmarks.evaluate import metrics
-from benchmarks.evaluate.experiment import run
-from benchmarks.evaluate.methods import Ours, OursRun, Usage
+from benchmarks.evaluate.experiment import RunResult, run
+from benchmarks.evaluate.methods import Ours
 from benchmarks.evaluate.plan import FAILURES, MAIN, TOLERANCE
-from benchmarks.evaluate.workloads import Workload, cnn, cosine, lm, transfer
+from benchmarks.evaluate.workloads import Workload, cnn, lm, transfer
 from inshrink_store.policy.moments import MomentPolicy
-from inshrink_store.torch import Checkpointer
 
-#: bytes of the ``optimizer/`` tensors per run label: (logical, stored), filled by :class:`_Tapped`
-MOMENT_BYTES: dict[str, tuple[int, int]] = {}
-
-
-#: rollback checks per run label: variant -> {"step", "exact", "final"}, filled by :class:`_Tapped`
-ROLLBACKS: dict[str, dict[str, dict[str, Any]]] = {}
+#: a looser guard on the moments (the default: cosine 0.95, error 0.3): with an exact resume the
+#: moments' stored values serve only rollbacks, which :mod:`benchmarks.evaluate.rollback` checks
+LOOSE_MOMENTS = MomentPolicy(min_update_cosine=0.8, max_update_error=0.6)
 
 
-def rollback(workload: Workload, url: str, k: int, reset_moments: bool = False) -> dict[str, Any]:
-    """Restore the run's ``k``-th version (1-based; older than the newest, so it has no restore
-    residual and restores lossy: the stored weights and moments) into a fresh process, train on
-    to the end on the same batches, and give the final quality. Training on from the exact
-    state at that step is the uninterrupted reference (its resumes are bit-exact), so the
-    difference is what the stored version costs a rollback. ``reset_moments``: Adam's state is
-    dropped after the restore (what a checkpoint without moments gives), for contrast."""
-    import torch
-
-    repo = ins.open(url)
-    versions = list(reversed(repo.log()))
-    info = versions[k - 1]
-    model, optimizer = workload.fresh(1000 + k)
-    scheduler = cosine(optimizer, workload.steps)
-    with Checkpointer(repo, model, optimizer, extra_state={"scheduler": scheduler}, branch="rollback",
-                      background=False) as ck:
-        step = ck.restore(info.id) or 0
-        exact = bool(ck.restored_exact)
-    if reset_moments:
-        optimizer.state.clear()
-    while step < workload.steps:
-        optimizer.zero_grad()
-        workload.loss(model, *workload.batch(step)).backward()
-        optimizer.step()
-        scheduler.step()
-        step += 1
-    with torch.no_grad():
-        final = workload.quality(model)
-    return {"step": info.step, "exact": exact, "final": final}
-
-
-class _TappedRun(OursRun):
-    def finish(self) -> Usage:
-        usage = super().finish()
-        rows = ins.open(self.url).du(prefix="optimizer/")
-        MOMENT_BYTES[self.spec.key] = (sum(r.logical_bytes for r in rows), sum(r.new_stored_bytes for r in rows))
-        k = getattr(self.spec, "rollback_k", 0)
-        if k:
-            ROLLBACKS[self.spec.key] = {"stored": rollback(self.workload, self.url, k),
-                                        "moments reset": rollback(self.workload, self.url, k, reset_moments=True)}
-        return usage
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tapped(Ours):
-    """An :class:`Ours` whose run also records the moments' bytes (``du(prefix="optimizer/")``)
-    and, with ``rollback_k``, checks a rollback to that version (:func:`rollback`)."""
-
-    rollback_k: int = 0
-
-    def begin(self, workload: Workload, tolerance: float, workdir: Any) -> OursRun:
-        return _TappedRun(self, workload, tolerance, str(workdir / self.key))
-
-
-def methods(rollback_k: int = 0) -> dict[str, Any]:
-    out: dict[str, Any] = {k: (_Tapped(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Ours)},
-                                       rollback_k=rollback_k)
-                               if isinstance(m, Ours) else m) for k, m in MAIN.items()}
-    out["ours-open"] = _Tapped("ours-open", "ours, default, open-loop moments",
-                               moments=MomentPolicy(closed_loop=False), rollback_k=rollback_k)
+def methods(rollback_at: float = 0.0) -> dict[str, Any]:
+    """The methods by key, every exact-resume one of ours with the rollback check at ``rollback_at``."""
+    out: dict[str, Any] = {k: dataclasses.replace(m, rollback_at=rollback_at) if isinstance(m, Ours) and
+                           m.exact_resume else m for k, m in MAIN.items()}
+    out["ours-open"] = Ours("ours-open", "ours, default, open-loop moments", moments=MomentPolicy(closed_loop=False),
+                            rollback_at=rollback_at)
+    out["ours-loose"] = Ours("ours-loose", "ours, default, moments guarded at cosine 0.8 / error 0.6",
+                             moments=LOOSE_MOMENTS, rollback_at=rollback_at)
     return out
 
 
 def workload(name: str, quick: bool) -> Workload:
+    """The evaluation's workload ``name`` at its full size (or its ``--quick`` size)."""
     if quick:
         return {"cnn": lambda: cnn(24, 3), "lm": lambda: lm(24, 3),
                 "transfer": lambda: transfer(24, 3, pretrain_steps=24)}[name]()
@@ -113,14 +58,26 @@ def workload(name: str, quick: bool) -> Workload:
             "transfer": lambda: transfer(480, 24, pretrain_steps=960)}[name]()
 
 
-def row(key: str, result: Any, reference: Any, metric: str) -> str:
+def row(key: str, result: RunResult, reference: RunResult, metric: str) -> str:
+    assert result.usage is not None
     usage = dataclasses.asdict(result.usage)
     r = metrics.ratios(usage)
-    moments = MOMENT_BYTES.get(key)
+    moments = usage.get("moments")
     m_ratio = f"{moments[0] / max(moments[1], 1):.1f}x" if moments else "-"
     change = metrics.change(reference.final[metric], result.final[metric], metric)
     return (f"| {key} | {result.restores} ({usage['exact_resumes']}) | {r['weights']:.1f}x | {m_ratio} | "
             f"{r['history']:.1f}x | {r['disk']:.1f}x | {result.final[metric]:.6g} | {change:+.2%} |")
+
+
+def rollback_rows(checks: dict[str, Any], reference: RunResult, metric: str) -> list[str]:
+    lines = [f"| method | version (step) | moments | final {metric} | change |", "|---|---|---|---|---|"]
+    for key, check in checks.items():
+        for variant in ("stored", "moments reset"):
+            r = check[variant]
+            change = metrics.change(reference.final[metric], r["final"][metric], metric)
+            lines.append(f"| {key} | {check['version']} ({r['step']}) | {variant} | {r['final'][metric]:.6g} | "
+                         f"{change:+.2%} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,15 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workload", choices=("cnn", "lm", "transfer"))
     parser.add_argument("--methods", default="ours,ours-open", help="comma-separated method keys")
     parser.add_argument("--quick", action="store_true", help="the evaluation's tiny size (2 failures)")
-    parser.add_argument("--rollback", type=int, default=0, metavar="K",
-                        help="after each of our runs, restore its K-th version lossy (1-based, older than the "
-                             "newest), train on to the end and compare with the reference (0: off)")
+    parser.add_argument("--rollback-at", type=float, default=0.0, metavar="F",
+                        help="after each of our exact-resume runs, restore the version at fraction F of the run "
+                             "lossy, train on to the end and compare with the reference (0: off)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # as the evaluation: one core trains, the other runs the store's thread
     warnings.simplefilter("ignore", UserWarning)
-    table = methods(args.rollback)
+    table = methods(args.rollback_at)
     keys = [k.strip() for k in args.methods.split(",") if k.strip()]
     unknown = [k for k in keys if k not in table]
     if unknown:
@@ -150,19 +107,17 @@ def main(argv: list[str] | None = None) -> int:
              "", f"| method | restores (bit-exact) | weights | moments | history | on disk | final {w.metric} | change |",
              "|---|---|---|---|---|---|---|---|",
              f"| reference | 0 | - | - | - | - | {reference.final[w.metric]:.6g} | - |"]
+    checks: dict[str, Any] = {}
     for key in keys:
         t = time.perf_counter()
         result = run(w, table[key], failures, TOLERANCE, key)
         print(f"{key}: {time.perf_counter() - t:.0f} s, final {result.final}", file=sys.stderr, flush=True)
         lines.append(row(key, result, reference, w.metric))
-    if ROLLBACKS:
-        lines += ["", f"Rollback to version {args.rollback} (restored lossy, trained on to step {w.steps}):", "",
-                  f"| method | restored | from step | final {w.metric} | change vs the exact state |", "|---|---|---|---|---|"]
-        for key, variants in ROLLBACKS.items():
-            for variant, r in variants.items():
-                change = metrics.change(reference.final[w.metric], r["final"][w.metric], w.metric)
-                lines.append(f"| {key} | {variant}{' (exact)' if r['exact'] else ''} | {r['step']} | "
-                             f"{r['final'][w.metric]:.6g} | {change:+.2%} |")
+        if result.usage is not None and result.usage.rollback:
+            checks[key] = result.usage.rollback
+    if checks:
+        lines += ["", f"Rollbacks (restored lossy, trained on to step {w.steps}; change against training on from "
+                  "the exact state, the reference):", "", *rollback_rows(checks, reference, w.metric)]
     print("\n".join(lines))
     return 0
 
