@@ -11,7 +11,13 @@ checks every object of all six), export the version's, diff both versions'. Each
 ``--repeat`` times (default 3); the row is the run of least CPU time (a shared machine's other
 jobs only ever add to it), with the range of the others.
 
-    python -m benchmarks.bench_cli_reads [STORE_DIR] [--repeat N]   (built there if missing)
+    python -m benchmarks.bench_cli_reads [STORE_DIR] [--repeat N] [--only verify export diff] [--chains]
+    (the store is built there if missing; --only runs the commands whose names start so)
+
+``--chains`` times the part the byte-plane chain decode changed, alone and in one process:
+``ObjectStore.get`` of every chunk object of the newest version that is a lossless delta
+(its whole chain, nothing cached) decoded in byte planes, and link by link as before
+(``_decode_links``), alternately, best of ``--repeat`` rounds by CPU time.
 """
 
 from __future__ import annotations
@@ -49,8 +55,9 @@ def _cli(*args: str) -> None:
         raise RuntimeError(f"inshrink {' '.join(args)} exited {result.exit_code}: {result.output}")
 
 
-def measure(url: str, repeat: int = 3) -> list[tuple[str, float, list[tuple[float, float]]]]:
-    """(command, MiB read, [(wall s, cpu s) of each run]) of each command."""
+def measure(url: str, repeat: int = 3, only: tuple[str, ...] = ()) -> list[tuple[str, float, list[tuple[float, float]]]]:
+    """(command, MiB read, [(wall s, cpu s) of each run]) of each command (those whose name
+    starts with one of ``only``, when given)."""
     repo = ins.open(url)
     logical = sum(i.logical_bytes for i in repo.checkout("main").arrays().values())
     versions = len(repo.snapshot_ids())
@@ -64,6 +71,8 @@ def measure(url: str, repeat: int = 3) -> list[tuple[str, float, list[tuple[floa
         }
         _cli("ls", url)  # imports and compiled kernels loaded before any timing
         for name, (args, read) in commands.items():
+            if only and not name.startswith(only):
+                continue
             runs = []
             for _ in range(repeat):
                 index.CACHE.clear()  # each run as a fresh process would find it: nothing decoded
@@ -72,6 +81,34 @@ def measure(url: str, repeat: int = 3) -> list[tuple[str, float, list[tuple[floa
                 runs.append((time.perf_counter() - wall, time.process_time() - cpu))
             out.append((name, read / 2**20, runs))
     return out
+
+
+def measure_chains(url: str, repeat: int = 3) -> str:
+    """The ``--chains`` table: MB/s per core of the newest version's delta chunks, decoded in
+    byte planes and link by link."""
+    from inshrink_store.cas import CODER_BYTEGROUP, ObjectStore
+
+    repo = ins.open(url)
+    objects = repo.checkout("main").view.objects
+    oids = sorted({oid for info in repo.checkout("main").arrays().values() for oid in info.chunk_ids.values()})
+    deltas = [oid for oid in oids if (h := objects.header(oid)).is_delta and h.coder == CODER_BYTEGROUP]
+    logical = sum(objects.header(oid).logical_length for oid in deltas)
+    best = {"byte planes (get)": 0.0, "link by link (before)": 0.0}
+    for _ in range(repeat):
+        for name in best:
+            fresh = ObjectStore(objects.storage)
+            cpu = time.process_time()
+            for oid in deltas:
+                if name.startswith("byte"):
+                    fresh.get(oid)
+                else:
+                    fresh._decode_links(*fresh._read_chain(oid))  # noqa: SLF001 - the old path, for the comparison
+            best[name] = max(best[name], logical / 1e6 / (time.process_time() - cpu))
+    lines = [f"{len(deltas)} delta chunks of the newest version, {logical / 2**20:.0f} MiB, chains of up to "
+             f"{max(objects.header(oid).depth for oid in deltas) + 1} objects", "",
+             "| decode | MB/s per core (best of the rounds) |", "|---|---|"]
+    lines += [f"| {name} | {value:.0f} |" for name, value in best.items()]
+    return "\n".join(lines)
 
 
 def to_markdown(rows: list[tuple[str, float, list[tuple[float, float]]]]) -> str:
@@ -92,10 +129,15 @@ def main() -> None:
     parser.add_argument("store", nargs="?", type=Path,
                         default=Path(tempfile.gettempdir()) / "inshrink-bench-cli-reads")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=[], help="commands to run (default: all)")
+    parser.add_argument("--chains", action="store_true", help="time the delta chains' decode alone")
     args = parser.parse_args()
     if not (args.store / "inshrink.json").exists():
         build(str(args.store))
-    print(to_markdown(measure(str(args.store), args.repeat)))
+    if args.chains:
+        print(measure_chains(str(args.store), args.repeat))
+        return
+    print(to_markdown(measure(str(args.store), args.repeat, tuple(args.only))))
 
 
 if __name__ == "__main__":

@@ -390,6 +390,12 @@ def _parse(data: np.ndarray) -> tuple[int, int, int, int, int, int, list[tuple[i
 
 
 def _base_planes(base: Any, base_hash: int, n: int, itemsize: int, flags: int) -> list[np.ndarray]:
+    base_data = _checked_base(base, base_hash, n, itemsize)
+    return byte_planes(base_data, itemsize, bool(flags & FLAG_SIGN_LAST))  # split_planes(sign_last(...)), one pass
+
+
+def _checked_base(base: Any, base_hash: int, n: int, itemsize: int) -> np.ndarray:
+    """``base`` as flat uint8, when it is the chunk a delta was encoded against (its hash)."""
     if base is None:
         raise FormatError(
             "Expected the base chunk (base=...) this chunk was XORed with. Got None instead; pass "
@@ -404,13 +410,11 @@ def _base_planes(base: Any, base_hash: int, n: int, itemsize: int, flags: int) -
         )
     if base_data.size != n * itemsize:
         raise FormatError(f"Expected a base of {n * itemsize} bytes. Got {base_data.size} instead.")
-    return byte_planes(base_data, itemsize, bool(flags & FLAG_SIGN_LAST))  # split_planes(sign_last(...)), one pass
+    return base_data
 
 
-def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | None = None) -> np.ndarray:
-    """The decoded chunk as flat uint8, checked against the header's checksum.
-
-    ``size`` (bytes), when known, is checked against the header before anything is allocated."""
+def _chunk_of(data: np.ndarray, dtype: str, size: int | None) -> _Chunk:
+    """``data`` parsed, its dtype and (when known) its decoded ``size`` checked."""
     _, code, flags, n, checksum, base_hash, table = _parse(data)
     if DTYPE_NAMES[code] != dtype:
         raise FormatError(
@@ -422,33 +426,146 @@ def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | Non
             f"Expected a chunk of {size} bytes ({size // itemsize} {dtype} elements). Got a header "
             f"saying n={n} instead."
         )
-    base_planes = _base_planes(base, base_hash, n, itemsize, flags) if flags & FLAG_BASE else None
-    offset = HEADER_SIZE + itemsize * PLANE_SIZE
-    planes: list[np.ndarray] = []
-    for i, (method, length) in enumerate(table):
-        body = memoryview(_buffer(data[offset:offset + length]))
-        offset += length
-        plane = _planes.decode_stream(CODER_OF_METHOD[method], body, n, f"plane {i}")
-        if method in (XOR_RAW, XOR_ZSTD):
-            assert base_planes is not None  # FLAG_BASE matches the methods (parse)
-            plane = np.bitwise_xor(plane, base_planes[i])
-        planes.append(plane)
+    return _Chunk(data, flags, n, checksum, base_hash, table)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A parsed chunk: its header's fields and plane table, over its bytes ``data``."""
+
+    data: np.ndarray
+    flags: int
+    n: int
+    checksum: int
+    base_hash: int
+    table: list[tuple[int, int]]
+
+    @property
+    def rotated(self) -> bool:
+        return bool(self.flags & FLAG_SIGN_LAST)
+
+    def xors(self, i: int) -> bool:
+        """Whether plane ``i`` is stored as the XOR with the base's plane."""
+        return self.table[i][0] in (XOR_RAW, XOR_ZSTD)
+
+    def plane(self, i: int) -> np.ndarray:
+        """Plane ``i`` as stored (before any XOR with the base): flat uint8, maybe read-only."""
+        offset = HEADER_SIZE + len(self.table) * PLANE_SIZE + sum(length for _, length in self.table[:i])
+        method, length = self.table[i]
+        body = memoryview(_buffer(self.data[offset:offset + length]))
+        return _planes.decode_stream(CODER_OF_METHOD[method], body, self.n, f"plane {i}")
+
+
+def _joined(planes: list[np.ndarray], itemsize: int, rotated: bool) -> np.ndarray:
+    """The chunk's bytes from its planes (the sign rotated back when ``rotated``): one
+    compiled pass when numba is installed, else :func:`join_planes` and :func:`sign_first`."""
+    n = planes[0].size
     kernels = _kernels.for_bytes(n * itemsize)
     if kernels is not None and itemsize in (2, 4):  # one compiled pass: join and rotate back
         words = np.empty(n, f"<u{itemsize}")
         (kernels.join2 if itemsize == 2 else kernels.join4)(
-            *(_kernels.read_only(p) for p in planes), bool(flags & FLAG_SIGN_LAST), words)
-        out = words.view(np.uint8)
-    else:
-        out = join_planes(planes, itemsize, np.empty(n * itemsize, np.uint8))
-        if flags & FLAG_SIGN_LAST:
-            out = sign_first(out, itemsize)
-    if xxhash.xxh3_64_intdigest(_buffer(out)) != checksum:
+            *(_kernels.read_only(p) for p in planes), rotated, words)
+        return words.view(np.uint8)
+    out = join_planes(planes, itemsize, np.empty(n * itemsize, np.uint8))
+    return sign_first(out, itemsize) if rotated else out
+
+
+def _checked(out: np.ndarray, checksum: int) -> np.ndarray:
+    got = xxhash.xxh3_64_intdigest(_buffer(out))
+    if got != checksum:
         raise FormatError(
-            f"Expected decoded data with xxh3-64 {checksum:016x}. Got "
-            f"{xxhash.xxh3_64_intdigest(_buffer(out)):016x} instead (corrupt plane bytes)."
+            f"Expected decoded data with xxh3-64 {checksum:016x}. Got {got:016x} instead (corrupt plane bytes)."
         )
     return out
+
+
+def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | None = None) -> np.ndarray:
+    """The decoded chunk as flat uint8, checked against the header's checksum.
+
+    ``size`` (bytes), when known, is checked against the header before anything is allocated."""
+    chunk = _chunk_of(data, dtype, size)
+    itemsize = len(chunk.table)
+    base_planes = None
+    if chunk.flags & FLAG_BASE:
+        base_planes = _base_planes(base, chunk.base_hash, chunk.n, itemsize, chunk.flags)
+    planes: list[np.ndarray] = []
+    for i in range(itemsize):
+        plane = chunk.plane(i)
+        if chunk.xors(i):
+            assert base_planes is not None  # FLAG_BASE matches the methods (parse)
+            plane = np.bitwise_xor(plane, base_planes[i])
+        planes.append(plane)
+    return _checked(_joined(planes, itemsize, chunk.rotated), chunk.checksum)
+
+
+def decode_chain(chain: list[np.ndarray], dtype: str, base: Any = None, size: int | None = None) -> np.ndarray:
+    """The decoded last chunk of a delta chain, as flat uint8: ``chain[0]`` is a keyframe,
+    or a delta over ``base`` (decoded bytes); each later chunk a delta over the one before.
+    The same bytes as :func:`decode_bytes` applied link by link, each link's output the
+    next one's base, and a chain that it refuses is refused here too (a FormatError or an
+    IntegrityError, not always with the same words: a caller that must name the bad link
+    decodes link by link after a failure, as :meth:`ObjectStore.get` does).
+
+    Why: a lossless chunk's delta chain is several links (up to the keyframe interval's
+    eight), and link by link each one's planes were decoded, joined into words, the next
+    link split them into planes again, and each link's bytes were hashed twice and copied;
+    on the CLI's whole-store reads (``benchmarks/bench_cli_reads.py``) that was most of an
+    export's time. Here the chain stays in byte planes: each plane is the XOR of its stored
+    planes down to the nearest link that stored it whole, and only the last link's planes
+    are joined. A plane is decoded only in the links the result depends on.
+
+    What is checked: every chunk's header and plane table (:func:`parse`), its dtype and
+    size; that each delta's base is the chunk below it (the base hash it records equals the
+    checksum that chunk records, and ``base``'s own hash for the first); and the result
+    against the last chunk's checksum. An intermediate link's decoded bytes are not hashed
+    (they are never joined): the result's checksum is what says the chain decoded right."""
+    if not chain:
+        raise FormatError("Expected at least one chunk in a delta chain. Got none instead.")
+    chunks = [_chunk_of(data, dtype, size) for data in chain]
+    itemsize, n = len(chunks[0].table), chunks[0].n
+    for below, above in zip(chunks, chunks[1:], strict=False):
+        if above.n != n or not above.flags & FLAG_BASE or above.base_hash != below.checksum:
+            raise IntegrityError(
+                f"Expected each chunk of a delta chain to be a delta of {n} elements over the chunk "
+                f"below it (base xxh3-64 {below.checksum:016x}). Got a chunk of {above.n} elements "
+                f"{'over base ' + format(above.base_hash, '016x') if above.flags & FLAG_BASE else 'stored whole'} instead."
+            )
+    # which planes each link decodes: all of the last link's, and below a link those it XORs
+    # (a link storing a plane whole ends that plane's dependence on the links below it)
+    needed: list[set[int]] = []
+    wanted = set(range(itemsize))
+    for k in range(len(chunks) - 1, -1, -1):
+        needed.append(wanted)
+        wanted = {i for i in wanted if chunks[k].xors(i)}
+        if k and wanted and chunks[k - 1].rotated != chunks[k].rotated:
+            wanted = set(range(itemsize))  # the planes below are joined and split again
+    needed.reverse()
+    first = chunks[0]
+    planes: list[np.ndarray | None] = [None] * itemsize
+    owned = [False] * itemsize  # whether planes[i] is this call's own writable array
+    if first.flags & FLAG_BASE:
+        base_data = _checked_base(base, first.base_hash, n, itemsize)
+        if wanted:  # the planes the first link XORs: the base split once (fresh arrays)
+            planes, owned = list(byte_planes(base_data, itemsize, first.rotated)), [True] * itemsize
+    for k, chunk in enumerate(chunks):
+        if k and chunk.rotated != chunks[k - 1].rotated and needed[k - 1]:
+            # a chunk with the sign where the one below had it not (or the reverse): the
+            # planes below are joined and split again (a store writes one layout per dtype)
+            joined = _joined([p for p in planes if p is not None], itemsize, chunks[k - 1].rotated)
+            planes, owned = list(byte_planes(joined, itemsize, chunk.rotated)), [True] * itemsize
+        for i in sorted(needed[k]):
+            plane = chunk.plane(i)
+            current = planes[i]
+            if not chunk.xors(i):
+                planes[i], owned[i] = plane, False
+            elif current is None:  # pragma: no cover - the needed sets put every base plane here
+                raise FormatError(f"Expected plane {i}'s base in the delta chain. Got none instead.")
+            elif owned[i]:
+                np.bitwise_xor(current, plane, out=current)
+            else:
+                planes[i], owned[i] = np.bitwise_xor(current, plane), True
+    last = chunks[-1]
+    return _checked(_joined([p for p in planes if p is not None], itemsize, last.rotated), last.checksum)
 
 
 register_codec(ByteGroup)
