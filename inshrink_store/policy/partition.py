@@ -18,6 +18,7 @@ module classes or shapes, never from parameter names.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -31,9 +32,14 @@ from inshrink_store.codecs.nuq import protected_values
 from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.parallel import map_in_order
-from inshrink_store.policy import snapping
 from inshrink_store.policy.codebook_choice import choose_codebook
 from inshrink_store.policy.kmeans import fit_codebook
+from inshrink_store.policy.protection import (
+    TAIL_FRACTION,
+    protected_mask,
+    protected_positions,
+    top_tail,
+)
 from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.sketch import BLOCK, KeyedValues, LogSketch
 from inshrink_store.policy.snapping import error_stats, snap_pruned
@@ -211,52 +217,6 @@ def prune_thresholds(tensors: Mapping[str, TensorInput], config: QuantSettings,
     return {key: s.quantile(config.prune) for key, s in sorted(pooled.items()) if s.count}
 
 
-def _top_cut(values: np.ndarray, count: int) -> Any:
-    """The ``count``-th largest ``|value|`` (NaN counted as 0). O(n) selection on one scratch
-    copy, no full sort."""
-    scratch = np.abs(np.asarray(values, np.float32 if values.dtype == np.float16 else None)).ravel()
-    if not np.isfinite(scratch).all():
-        scratch[np.isnan(scratch)] = 0.0  # NaN sorts last; it must not take a top slot
-    kth = scratch.size - count
-    scratch.partition(kth)
-    return scratch[kth]
-
-
-def _top_mask(values: np.ndarray, count: int, out: np.ndarray, cut: Any = None) -> None:
-    """Set ``out`` where ``|values|`` is among the ``count`` largest (ties at the cut
-    included, zeros and NaN never); ``cut`` is :func:`_top_cut` when already known. The
-    comparison runs blockwise so the selection's scratch is the only full-size temporary."""
-    if cut is None:
-        cut = _top_cut(values, count)
-    flat, dst = values.ravel(), out.ravel()
-    for s in range(0, flat.size, BLOCK):
-        mag = np.abs(flat[s:s + BLOCK])
-        dst[s:s + BLOCK] |= (mag > 0) if cut <= 0 else (mag >= cut)
-
-
-def protected_mask(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float, *,
-                   cache: PartitionCache | None = None, name: str | None = None,
-                   at: np.ndarray | None = None) -> np.ndarray:
-    """Non-finite values, the top ``fraction`` by ``|w|`` and the top ``fraction`` by ``|s|``.
-    With ``cache`` and the tensor's ``name``, each selection's cut is found once per
-    fraction (it is most of the cost; the comparison is a pass). ``at``: only these flat
-    positions (a 1-D mask of them), still judged against the whole tensor's cuts."""
-    mask: np.ndarray = ~np.isfinite(values if at is None else values.ravel()[at])
-    count = int(round(fraction * values.size))
-    if count > 0:
-        for which, source in (("values", values), ("sensitivity", sensitivity)):
-            if source is None:
-                continue
-            array = np.asarray(source)
-            cut = None
-            if cache is not None and name is not None:
-                cut = cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
-            elif at is not None:
-                cut = _top_cut(array, count)  # on the whole tensor, not on the positions
-            _top_mask(array if at is None else array.ravel()[at], count, mask, cut)
-    return mask
-
-
 @dataclass(frozen=True)
 class Part:
     """What one tensor's masks leave under one protect / prune / metric: the sketch of the
@@ -310,6 +270,7 @@ class PartitionCache:
         self._positions: dict[tuple[Any, ...], np.ndarray] = {}
         self._keyed: dict[str, KeyedValues | None] = {}
         self._samples: dict[tuple[Any, ...], np.ndarray] = {}
+        self._tails: dict[tuple[Any, ...], np.ndarray] = {}
 
     def values_sketch(self, name: str, values: np.ndarray, mask: np.ndarray | None = None) -> LogSketch:
         """``LogSketch.from_values(values, mask=mask)`` of tensor ``name``'s float32 ``values``
@@ -350,41 +311,23 @@ class PartitionCache:
             self._parts[key] = build()
         return self._parts[key]
 
+    def top_cut(self, name: str, which: str, array: np.ndarray, count: int) -> Any:
+        """``protection.top_cut`` of tensor ``name``'s ``which`` source (its values or
+        sensitivity), from one selection per source: the largest ``TAIL_FRACTION`` of
+        ``|array|`` (``count`` at least), sorted, serves every protect fraction a search tries
+        (a selection of the whole tensor per fraction was a third of a later save's search)."""
+        key = ("tail", name, which)
+        tail = self._tails.get(key)
+        if tail is None or tail.size < count:
+            tail = self._tails[key] = top_tail(array, max(count, math.ceil(TAIL_FRACTION * array.size)))
+        return tail[count - 1]
+
     def codebook(self, key: tuple[Any, ...], build: Any) -> Any:
         """A fitted codebook (and whether it reused the previous one), or another small value
         (a protection cut), a few floats each."""
         if key not in self._codebooks:
             self._codebooks[key] = build()
         return self._codebooks[key]
-
-
-def protected_positions(values: np.ndarray, sensitivity: np.ndarray | None, fraction: float, *,
-                        cache: PartitionCache | None = None, name: str | None = None) -> np.ndarray:
-    """``np.flatnonzero(protected_mask(values, sensitivity, fraction, ...))``, found block by
-    block against the same cuts: no mask of the tensor's size is made (the positions are a
-    percent or two of it)."""
-    flat = np.asarray(values).reshape(-1)
-    count = int(round(fraction * flat.size))
-    sources = []
-    if count > 0:
-        for which, source in (("values", values), ("sensitivity", sensitivity)):
-            if source is None:
-                continue
-            array = np.asarray(source)
-            if cache is not None and name is not None:
-                cut = cache.codebook(("cut", name, which, count), lambda array=array: _top_cut(array, count))
-            else:
-                cut = _top_cut(array, count)
-            sources.append((array.reshape(-1), cut))
-    found = [np.zeros(0, np.intp)]
-    for s in range(0, flat.size, snapping.SNAP_BLOCK):
-        e = min(s + snapping.SNAP_BLOCK, flat.size)
-        mask = ~np.isfinite(flat[s:e])
-        for array, cut in sources:  # as _top_mask compares
-            mag = np.abs(array[s:e])
-            mask |= (mag > 0) if cut <= 0 else (mag >= cut)
-        found.append(np.flatnonzero(mask) + s)
-    return np.concatenate(found)
 
 
 def _protected_positions(w: np.ndarray, t: TensorInput, config: QuantSettings, cache: PartitionCache | None,

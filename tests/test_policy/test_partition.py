@@ -530,3 +530,26 @@ def test_protected_positions_block_by_block_are_the_masks(seed, n, block, fracti
         got = protected_positions(w, s, fraction)
         cached = protected_positions(w, s, fraction, cache=PartitionCache(), name="w")
     assert np.array_equal(got, expected) and np.array_equal(cached, expected) and got.dtype == np.intp
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 3000), half=st.booleans(),
+       counts=st.lists(st.integers(1, 3000), min_size=1, max_size=6))
+def test_cached_cuts_from_one_sorted_tail_are_the_selection_s(seed: int, n: int, half: bool,
+                                                              counts: list[int]) -> None:
+    """Every protect fraction's cut read from the cache's sorted tail (grown when a count
+    passes it) is the order statistic a selection of the whole tensor finds: NaN as 0, ties,
+    zeros, float16 values."""
+    from inshrink_store.policy.protection import top_cut
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_t(3, n) * 0.05).astype(np.float16 if half else np.float32)
+    w[rng.integers(0, n, n // 7)] = 0.0
+    w[rng.integers(0, n, n // 50)] = np.nan
+    w[rng.integers(0, n, n // 9)] = w[0]  # ties
+    cache = PartitionCache()
+    for count in counts:
+        count = min(count, n)
+        got = cache.top_cut("w", "values", w, count)
+        expected = top_cut(w, count)
+        assert np.float32(got).view(np.uint32) == np.float32(expected).view(np.uint32)
