@@ -502,9 +502,12 @@ def decode_chain(chain: list[np.ndarray], dtype: str, base: Any = None, size: in
     """The decoded last chunk of a delta chain, as flat uint8: ``chain[0]`` is a keyframe,
     or a delta over ``base`` (decoded bytes); each later chunk a delta over the one before.
     The same bytes as :func:`decode_bytes` applied link by link, each link's output the
-    next one's base, and a chain that it refuses is refused here too (a FormatError or an
-    IntegrityError, not always with the same words: a caller that must name the bad link
-    decodes link by link after a failure, as :meth:`ObjectStore.get` does).
+    next one's base. A chain whose result that refuses is refused here too (a FormatError or
+    an IntegrityError, not always with the same words: a caller that must name the bad link
+    decodes link by link after a failure, as :meth:`ObjectStore.get` does). One difference:
+    an intermediate link whose planes decode to other bytes than its checksum says is
+    refused here only where the result depends on them (a plane a later link stores whole
+    is never decoded), since its own bytes are never formed; the result is right either way.
 
     Why: a lossless chunk's delta chain is several links (up to the keyframe interval's
     eight), and link by link each one's planes were decoded, joined into words, the next
