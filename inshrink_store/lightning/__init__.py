@@ -440,19 +440,9 @@ class InshrinkCheckpointIO(CheckpointIO):
 
     # -- the work, on the caller's thread or the background one ----------------------------------
     def attach_search(self, search: InshrinkSearch) -> None:
-        """Let ``search`` (an :class:`InshrinkSearch`, at the Trainer's setup) decide how each
-        save stores the model weights."""
-        if self.quantize is not None:
-            raise InvalidInputError(
-                f"Expected InshrinkCheckpointIO without quantize= beside InshrinkSearch: the search picks each "
-                f"save's configuration. Got quantize={self.quantize!r} as well instead; drop quantize=, or drop "
-                "InshrinkSearch for a fixed configuration.")
-        if self.search is not None and self.search is not search:
-            raise InvalidInputError(
-                "Expected one InshrinkSearch per InshrinkCheckpointIO. Got a second one instead; pass one callback.")
-        self.search = search
-        if self._exact_resume_given is None:
-            self.exact_resume = 1  # quantized versions: the newest resumes bit-exact, as with quantize=
+        """Let ``search`` decide how each save stores the model weights (its ``setup`` calls
+        this; refused beside ``quantize=`` or another search: :meth:`InshrinkSearch.attach`)."""
+        search.attach(self)
 
     def _save(self, encoded: dict[str, Any], modules: Any, path: Any, commit: Mapping[str, Any],
               scratch: Any = None, names: Mapping[str, str] | None = None) -> None:

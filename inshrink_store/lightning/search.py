@@ -112,6 +112,22 @@ class InshrinkSearch(Callback):
         found.attach_search(self)
         self._module = pl_module
 
+    def attach(self, io: Any) -> None:
+        """Become ``io``'s search (an InshrinkCheckpointIO), when it has no ``quantize=`` and no
+        other search; with ``exact_resume`` left to its default, the newest version resumes
+        bit-exact (1), as with ``quantize=``."""
+        if io.quantize is not None:
+            raise InvalidInputError(
+                f"Expected InshrinkCheckpointIO without quantize= beside InshrinkSearch: the search picks each "
+                f"save's configuration. Got quantize={io.quantize!r} as well instead; drop quantize=, or drop "
+                "InshrinkSearch for a fixed configuration.")
+        if io.search is not None and io.search is not self:
+            raise InvalidInputError(
+                "Expected one InshrinkSearch per InshrinkCheckpointIO. Got a second one instead; pass one callback.")
+        io.search = self
+        if io._exact_resume_given is None:
+            io.exact_resume = 1
+
     # -- what the plugin asks ----------------------------------------------------------------------
     def scratch_model(self) -> Any:
         """A copy of the module as it is now (the save's), which the candidates are scored on."""
