@@ -13,7 +13,8 @@ tolerance 5 %, the same reference), and the table adds the moments' ratio (``opt
 tensors: Adam's moments and step counters) beside the weights and the history.
 
 Methods: the keys of :data:`benchmarks.evaluate.plan.MAIN` plus ``ours-open`` (the default with
-``MomentPolicy(closed_loop=False)``: moments coded open loop, as before closed-loop moments) and
+``MomentPolicy(closed_loop=False, min_numel=4096)``: the moments as they were stored before
+closed-loop moments) and
 ``ours-loose`` (the default with the moments' guard loosened to :data:`LOOSE_MOMENTS`).
 """
 
@@ -42,8 +43,8 @@ def methods(rollback_at: float = 0.0) -> dict[str, Any]:
     """The methods by key, every exact-resume one of ours with the rollback check at ``rollback_at``."""
     out: dict[str, Any] = {k: dataclasses.replace(m, rollback_at=rollback_at) if isinstance(m, Ours) and
                            m.exact_resume else m for k, m in MAIN.items()}
-    out["ours-open"] = Ours("ours-open", "ours, default, open-loop moments", moments=MomentPolicy(closed_loop=False),
-                            rollback_at=rollback_at)
+    out["ours-open"] = Ours("ours-open", "ours, default before closed-loop moments (open loop, min_numel 4096)",
+                            moments=MomentPolicy(closed_loop=False, min_numel=4096), rollback_at=rollback_at)
     out["ours-loose"] = Ours("ours-loose", "ours, default, moments guarded at cosine 0.8 / error 0.6",
                              moments=LOOSE_MOMENTS, rollback_at=rollback_at)
     return out
@@ -70,13 +71,16 @@ def row(key: str, result: RunResult, reference: RunResult, metric: str) -> str:
 
 
 def rollback_rows(checks: dict[str, Any], reference: RunResult, metric: str) -> list[str]:
-    lines = [f"| method | version (step) | moments | final {metric} | change |", "|---|---|---|---|---|"]
+    """The rollback checks' table: the final ``metric`` and, when that is not the loss (the CNN's
+    accuracy moves in steps of one test image), the final test loss too."""
+    shown = [metric] + (["loss"] if metric != "loss" and "loss" in reference.final else [])
+    lines = ["| method | version (step) | moments | " + " | ".join(f"final {m} | change" for m in shown) + " |",
+             "|---|---|---|" + "---|---|" * len(shown)]
     for key, check in checks.items():
         for variant in ("stored", "moments reset"):
             r = check[variant]
-            change = metrics.change(reference.final[metric], r["final"][metric], metric)
-            lines.append(f"| {key} | {check['version']} ({r['step']}) | {variant} | {r['final'][metric]:.6g} | "
-                         f"{change:+.2%} |")
+            cells = [f"{r['final'][m]:.6g} | {metrics.change(reference.final[m], r['final'][m], m):+.2%}" for m in shown]
+            lines.append(f"| {key} | {check['version']} ({r['step']}) | {variant} | " + " | ".join(cells) + " |")
     return lines
 
 

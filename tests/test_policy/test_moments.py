@@ -221,7 +221,7 @@ def test_pairs_under_min_numel_stay_lossless_with_a_reason(dtype: str) -> None:
     big_m, big_v, _ = adam_moments(2, (64, 64), dtype)
     arrays, dtypes = state(m, v, step, dtype, **{"optimizer/state/1/exp_avg": (big_m, dtype),
                                                  "optimizer/state/1/exp_avg_sq": (big_v, dtype)})
-    plans = MomentPolicy().plan(arrays, dtypes, {})
+    plans = MomentPolicy(min_numel=4096).plan(arrays, dtypes, {})
     small = plans.record.tensors[PREFIX]
     assert small.storage == "lossless" and small.reason is not None and "4096" in small.reason
     assert M_PATH not in plans and V_PATH not in plans
@@ -578,7 +578,7 @@ def test_an_old_policy_dict_reads_as_it_did_and_is_written_back_unchanged(policy
 
 def test_the_default_policy_dict_is_the_one_version_1_wrote() -> None:
     assert MomentPolicy().to_dict() == {"exp_avg_bins": 16, "exp_avg_sq_bins": 16, "prune": 0.3,
-                                        "min_update_cosine": 0.95, "max_update_error": 0.3, "min_numel": 4096}
+                                        "min_update_cosine": 0.95, "max_update_error": 0.3, "min_numel": 1024}
 
 
 def test_the_excp_setting_is_the_published_one() -> None:
@@ -684,7 +684,7 @@ OLD_RECORD = {"version": 1, "policy": {"exp_avg_bins": 16, "exp_avg_sq_bins": 16
 
 def test_an_old_record_reads_and_writes_back_unchanged() -> None:
     record = MomentRecord.from_dict(json.loads(json.dumps(OLD_RECORD)))
-    assert record.policy == MomentPolicy()
+    assert record.policy == MomentPolicy(min_numel=4096)  # the default then
     assert all(t.exp_avg_sq_pruned_fraction is None for t in record.tensors.values())
     assert record.to_dict() == OLD_RECORD
 
