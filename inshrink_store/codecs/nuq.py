@@ -42,8 +42,10 @@ from zarr.registry import register_codec as register_zarr_codec
 from inshrink_store import dtypes
 from inshrink_store.codecs import _gpu, _payload, _quant_loops
 from inshrink_store.codecs._config import check_config, named_configuration
+from inshrink_store.codecs._nuq_config import (  # public here: the store, planning and tests read them
+    CODEC_ID as CODEC_ID,
+)
 from inshrink_store.codecs._nuq_config import (
-    CODEC_ID,
     CONFIG_KEYS,
     check_scaled_centres,
     check_scales,
@@ -54,7 +56,7 @@ from inshrink_store.codecs._nuq_config import (
     tolerance_to_json,
 )
 from inshrink_store.codecs._nuq_config import (
-    MAX_SCALES as MAX_SCALES,  # public here: channel-scaled planning and its tests read it
+    MAX_SCALES as MAX_SCALES,
 )
 from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
