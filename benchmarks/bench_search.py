@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import Candidates, SearchPolicy  # noqa: E402
+from inshrink_store.policy.budgeted_search import QualityPredictor  # noqa: E402
 from inshrink_store.policy.config import QuantConfig  # noqa: E402
 from inshrink_store.policy.plans import PlanSet  # noqa: E402
-from inshrink_store.policy.search import QualityPredictor  # noqa: E402
 
 N_PARAMS = 32_500_000
 TOLERANCE = 0.2  # relative: the stand-in quality 1 - rel. L2 error may fall to 0.8

@@ -37,7 +37,7 @@ from typing_extensions import Unpack
 
 from inshrink_store.errors import InvalidInputError, require
 from inshrink_store.policy import Candidates, PlanSet, QuantConfig, QuantizationRecord, SearchPolicy
-from inshrink_store.policy.search import QualityPredictor
+from inshrink_store.policy.budgeted_search import QualityPredictor
 from inshrink_store.policy.search_policy import PolicyArgs
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions
 from inshrink_store.torch.quantized_eval import _QuantizedEval

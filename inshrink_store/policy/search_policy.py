@@ -25,20 +25,13 @@ from typing import Any, TypedDict
 from inshrink_store.errors import FormatError
 from inshrink_store.plans import Planner
 from inshrink_store.policy.allocation import Allocation, AllocationCandidates, AllocationTrial
+from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget, budgeted_search
 from inshrink_store.policy.candidates import KEEP, Candidates
 from inshrink_store.policy.config import DEFAULT_CONFIG, EMBEDDING_BINS, QuantConfig
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPolicy, MomentRecord
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
-from inshrink_store.policy.search import (
-    QualityPredictor,
-    SaveBudget,
-    SearchPoint,
-    SearchResult,
-    SearchSpace,
-    budgeted_search,
-    search,
-)
+from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
 from inshrink_store.policy.streaming import MomentStream, StreamedPlanSet, WeightStream
 
 #: the caller's quality of the model with a candidate's values loaded (None: unquantized)
@@ -119,7 +112,7 @@ class SearchPolicy:
     after its residuals failed) gets the first count (:meth:`widen_for_keyframes`).
     Candidates are ranked by a predictor of their quality drop (their weighted reconstruction
     error, fitted to the run's evaluations:
-    :func:`~inshrink_store.policy.search.budgeted_search`) and only a confirmed one is
+    :func:`~inshrink_store.policy.budgeted_search.budgeted_search`) and only a confirmed one is
     stored: when the budget runs out first, the best configuration confirmed so far, else the
     model lossless. ``max_seconds``: also stop starting ``eval_fn`` calls once the save's
     search has run this long (wall clock; None: no limit). ``max_evals=None`` runs the

@@ -54,15 +54,10 @@ from inshrink_store.policy import (
     QuantizationRecord,
     SearchPolicy,
 )
+from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.moment_loop import with_moment_bases
-from inshrink_store.policy.search import (
-    QualityPredictor,
-    SaveBudget,
-    SearchPoint,
-    SearchResult,
-    SearchSpace,
-)
+from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
 from inshrink_store.refs import replaced_branch_name
 from inshrink_store.session import ANY_HEAD, AnyHead

@@ -19,16 +19,14 @@ from hypothesis import strategies as st
 
 from inshrink_store.errors import FormatError
 from inshrink_store.policy import Candidates, QuantizationRecord, SearchPolicy
-from inshrink_store.policy.search import (
+from inshrink_store.policy.budgeted_search import (
     PREDICTOR_WINDOW,
     RECENCY,
     QualityPredictor,
     SaveBudget,
-    SearchPoint,
-    SearchResult,
-    SearchSpace,
     budgeted_search,
 )
+from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import MAX_EVALS
 
 SPACE = SearchSpace()
