@@ -68,6 +68,8 @@ RECORDED = (
     ("scale_state.md", "python benchmarks/bench_scale_state.py"),
     ("save_cost.md", "python benchmarks/bench_save_cost.py --out benchmarks/recorded/save_cost.md"),
     ("cli_reads.md", "python -m benchmarks.bench_cli_reads"),
+    ("closed_loop_moments.md", "python -m benchmarks.evaluate.single {cnn,lm,transfer} --methods ours,ours-open "
+                               "--rollback-at 0.5"),
 )
 
 

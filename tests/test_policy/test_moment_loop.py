@@ -251,3 +251,26 @@ def test_a_slowly_moving_v_codes_closer_than_its_open_loop_levels(seed: int) -> 
     closed = residual_v(v, base, m, (1.0, h.eps), 0.0, 16)
     opened, _ = quantize_exp_avg_sq(v, 16, "F32", importance_root=exact)
     assert compare(exact, update(m, closed.values, h))[1] < compare(exact, update(m, opened, h))[1]
+
+
+def test_the_thread_count_does_not_change_closed_loop_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pairs are planned side by side on the writer's threads: 1 or 4 of them, the same residuals."""
+    rng = np.random.default_rng(7)
+    tensors: dict[str, np.ndarray] = {}
+    previous: dict[str, dict[str, Any]] = {}
+    for i in range(3):
+        v0 = (rng.random((48, 64)) * 1e-5 + 1e-9).astype(np.float32)
+        v = (v0 * (1 + rng.standard_normal(v0.shape) * 0.05)).clip(0).astype(np.float32)
+        m = (rng.standard_normal(v.shape) * np.sqrt(v)).astype(np.float32)
+        m0 = (m * 0.5).astype(np.float32)
+        tensors |= {f"optimizer/state/{i}/exp_avg": m, f"optimizer/state/{i}/exp_avg_sq": v}
+        previous |= {f"optimizer/state/{i}/exp_avg": {LOOP_KEY: LoopEntry(_base(m0), 8)},
+                     f"optimizer/state/{i}/exp_avg_sq": {LOOP_KEY: LoopEntry(_base(v0), 8)}}
+    dtypes = dict.fromkeys(tensors, "F32")
+    made = []
+    for threads in ("1", "4"):
+        monkeypatch.setenv("INSHRINK_WRITE_THREADS", threads)
+        plans = MomentPolicy(min_numel=64).plan(tensors, dtypes, previous)
+        made.append((plans.record.to_dict(), {p: plans[p].values.tobytes() for p in sorted(plans)}))
+    assert made[0] == made[1]
+    assert any(t.get("exp_avg_sq_coding") == "residual" for t in made[0][0]["tensors"].values())
