@@ -2,7 +2,7 @@
 ``python -m mypy --strict tests/typing/user_script.py`` (.ci/run) so that an IDE and a
 user's own type checker see the types the public API returns: each ``assert_type`` fails
 the check if a result is ``Any`` or another type than documented. It also runs
-(``python tests/typing/user_script.py``; tests/test_user_script.py runs it), so every
+(``python tests/typing/user_script.py``; tests/test_house/test_user_script.py runs it), so every
 assertion holds at run time too.
 """
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_stages.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stages.py"
 
 
 def _stages() -> Any:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _python_blocks(text: str) -> list[str]:

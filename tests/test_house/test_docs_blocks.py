@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUNNABLE = ("python", "bash")
 TIME_LIMIT_S = 600  # per block, its own run only (not its wait for a worker): a hang guard

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_frameworks.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_frameworks.py"
 
 pytestmark = [
     # Lightning's notices about a CPU run: no workers in the data loader, no logger

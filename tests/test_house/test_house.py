@@ -18,7 +18,7 @@ from pathlib import Path
 from inshrink_store import layout, structure
 from inshrink_store.codecs import bytegroup, nuq, vdelta
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "inshrink_store"
 MODULE_MAP = ROOT / "docs" / "reference" / "modules.md"
 

@@ -15,7 +15,7 @@ with a tiny GPT-2 built from its config (nothing downloaded):
    schedule (the uninterrupted run: Lightning's ``.ckpt`` files from its default IO, the
    Trainer's ``checkpoint-N`` folders without the callback), printing both figures.
 
-The file is also the child script: ``python tests/test_new_user_scenario.py lightning|hf ...``.
+The file is also the child script: ``python tests/test_integrations/test_new_user_scenario.py lightning|hf ...``.
 Skipped without Lightning or transformers (and accelerate for the Trainer). About 50 s on 2 cores
 (4 training processes, 10 CLI runs): in the default suite.
 
@@ -41,7 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model is built from a conf
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EPOCHS = 4          # Lightning: a checkpoint per epoch; HF: 2 epochs of 4 steps, a save every 2
 KILL_AFTER = 2      # checkpoints committed before the SIGKILL
 READY = "READY-TO-BE-KILLED"
@@ -350,7 +350,7 @@ def test_hf_trainer_killed_resumed_logged_exported_and_smaller(tmp_path: Path) -
     assert store_bytes < own_bytes
 
 
-if __name__ == "__main__":  # the child: python tests/test_new_user_scenario.py FRAMEWORK ROOT killed|resumed
+if __name__ == "__main__":  # the child: python tests/test_integrations/test_new_user_scenario.py FRAMEWORK ROOT killed|resumed
     torch.set_num_threads(1)
     framework, folder, how = sys.argv[1:4]
     (lightning_child if framework == "lightning" else hf_child)(Path(folder), how)

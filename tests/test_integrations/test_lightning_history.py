@@ -31,9 +31,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.lightning import InshrinkCheckpointIO, tag_for  # noqa: E402
 from tests._cli_helpers import run  # noqa: E402
-from tests.test_lightning import EPOCHS, Regression, fit, loader  # noqa: E402
+from tests.test_integrations.test_lightning import EPOCHS, Regression, fit, loader  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_log_lists_every_kept_checkpoint_and_last_is_a_ref(tmp_path: Path) -> None:

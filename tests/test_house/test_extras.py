@@ -14,7 +14,7 @@ import re
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: packages whose install brings torchaudio (their own requirements list it, unpinned)
 PULLS_TORCHAUDIO = {"torchaudio", "torchcrepe"}
 

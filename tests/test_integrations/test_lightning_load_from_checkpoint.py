@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from inshrink_store.lightning import InshrinkCheckpointIO, _read_pointer  # noqa: E402
-from tests.test_lightning import Regression, fit  # noqa: E402
+from tests.test_integrations.test_lightning import Regression, fit  # noqa: E402
 
 
 def _trained(tmp_path: Path) -> tuple[str, ModelCheckpoint, object]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent / "typing" / "user_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "typing" / "user_script.py"
 
 
 def test_the_typed_user_script_runs() -> None:

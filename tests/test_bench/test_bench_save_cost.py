@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_save_cost.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_save_cost.py"
 
 
 def _bench():

@@ -18,7 +18,7 @@ from inshrink_store.codecs.nuq import NUQ
 from inshrink_store.testing import check_codec_roundtrip, codebooks, float_arrays, nuq_configs
 
 SETTINGS = settings(max_examples=30, deadline=None)
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "testing-your-codec.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "testing-your-codec.md"
 GRID = np.array([[0.0, 0.5], [-1.25, 3.0]], np.float32)  # exact in every codec below
 
 

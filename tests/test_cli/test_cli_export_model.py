@@ -56,7 +56,7 @@ def test_export_of_a_lightning_version_writes_its_state_dict(tmp_path: Path) -> 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from inshrink_store.lightning import InshrinkCheckpointIO
-    from tests.test_lightning import fit
+    from tests.test_integrations.test_lightning import fit
 
     url = str(tmp_path / "store")
     trainer = fit(tmp_path / "run", InshrinkCheckpointIO(url), [ModelCheckpoint(dirpath=tmp_path / "ckpt")])

@@ -26,7 +26,7 @@ import pytest
 
 import inshrink_store as ins
 
-FIXTURES = Path(__file__).with_name("fixtures")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 sys.path.insert(0, str(FIXTURES))
 from make_store import tensors  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FILES = ("ratio-vs-quality.png", "timeline.png", "restores.png", "loss-curves.png", "evaluation.json")
 
 
