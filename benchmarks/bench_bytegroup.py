@@ -7,16 +7,14 @@ for a few Adam steps on sklearn's digits, as float32 and cast to bfloat16 (uint1
 cut into the writer's 4 MiB chunks. Each method encodes every chunk and is checked to decode
 bit-exact; speeds are MB/s of raw input, best of ``REPEAT`` runs, single thread. The XOR rows
 encode the final weights against the weights a few steps earlier (the parent version).
-ZipNN is compared when ``import zipnn`` works (set ``ZIPNN_PATH`` to a folder holding it);
+ZipNN is compared when ``import zipnn`` works (put a folder holding it on ``PYTHONPATH``);
 it is skipped, and said so, otherwise.
 
-Prints a markdown table; writes nothing. Run: ``python benchmarks/bench_bytegroup.py``.
+Prints a markdown table; writes nothing. Run: ``python -m benchmarks bytegroup``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -96,8 +94,6 @@ _ZIPNN_NOTE: list[str] = []
 
 
 def load_zipnn():  # type: ignore[no-untyped-def]
-    if os.environ.get("ZIPNN_PATH"):
-        sys.path.insert(0, os.environ["ZIPNN_PATH"])
     try:
         import zipnn
     except Exception as exc:  # not installed, or its C extension did not build

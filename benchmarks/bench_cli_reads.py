@@ -11,7 +11,7 @@ checks every object of all six), export the version's, diff both versions'. Each
 ``--repeat`` times (default 3); the row is the run of least CPU time (a shared machine's other
 jobs only ever add to it), with the range of the others.
 
-    python -m benchmarks.bench_cli_reads [STORE_DIR] [--repeat N] [--only verify export diff] [--chains]
+    python -m benchmarks cli_reads [STORE_DIR] [--repeat N] [--only verify export diff] [--chains]
     (the store is built there if missing; --only runs the commands whose names start so)
 
 ``--chains`` times the part the byte-plane chain decode changed, alone and in one process:

@@ -1,7 +1,7 @@
 """Open loop against closed loop: how far each version's stored weights are from the live ones,
 and what each version's weights cost, on one training run checkpointed both ways.
 
-    python benchmarks/bench_closed_loop.py     # writes docs/img/closed-loop.png, prints a table
+    python -m benchmarks closed_loop     # writes docs/img/closed-loop.png, prints a table
 
 The run: an MLP (64 -> 256 -> 256 -> 10, 85 k parameters) trained with Adam on a fixed
 synthetic classification set (labels from a fixed random

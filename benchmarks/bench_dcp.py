@@ -14,7 +14,7 @@ seconds of rank 0 (DCP ends each call with a collective, so every rank is done b
 the loads reshard nothing (same layout) and are checked against what was saved. gloo
 process groups of spawned processes; on a machine with fewer cores than ranks the ranks
 share them. Needs torch, s3fs and ``moto[server]``. Run alone:
-``python benchmarks/bench_dcp.py [--quick] [--mib N]``; prints a markdown table.
+``python -m benchmarks dcp [--quick] [--mib N]``; prints a markdown table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -31,9 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_requests import s3_server  # noqa: E402
+from benchmarks.bench_requests import s3_server
 
 WIDTH = 512
 WORLDS = (1, 2, 4)

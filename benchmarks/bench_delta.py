@@ -5,16 +5,16 @@ Ids are 16 levels + protected, drawn from a bell-shaped level distribution (as
 k-means on trained weights gives); the next version moves a fraction of elements
 one level up or down, as a late (2 %) and an early (16 %) training step do. Each
 delta is timed with and without regrouping; bytes are against the whole payload.
-Run through ``python benchmarks/run.py``.
+Run through ``python -m benchmarks run``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
+from benchmarks.machine_info import best_of
 from inshrink_store.codecs import _payload
 from inshrink_store.codecs.vdelta import VDelta
 
@@ -30,15 +30,6 @@ def _payloads(n: int, changed: float, seed: int = 0) -> tuple[bytes, bytes]:
     return (_payload.pack(LEVELS, prev, "bfloat16", none), _payload.pack(LEVELS, cur, "bfloat16", none))
 
 
-def _best(fn: Any, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def run(quick: bool = False) -> dict[str, Any]:
     n = 1 << 20  # one 1 M-element chunk: the store's default chunk of float32 is 4 MiB
     repeats = 3 if quick else 7
@@ -51,8 +42,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             assert bytes(codec.decode(delta, base=base)) == cur
             rows.append({
                 "changed": changed, "regroup": regroup, "ratio": len(cur) / len(delta),
-                "enc": n / _best(lambda c=codec, b=base, x=cur: c.encode(x, base=b), repeats) / 1e6,
-                "dec": n / _best(lambda c=codec, d=delta, b=base: c.decode(d, base=b), repeats) / 1e6,
+                "enc": n / best_of(lambda c=codec, b=base, x=cur: c.encode(x, base=b), repeats)[0] / 1e6,
+                "dec": n / best_of(lambda c=codec, d=delta, b=base: c.decode(d, base=b), repeats)[0] / 1e6,
             })
     return {"n": n, "rows": rows}
 

@@ -11,7 +11,7 @@ per tensor taken at the first version, plus 0.5 % protected values (bfloat16), p
 - RLE (runs > 1 only) + Huffman on the regrouped stream, as in the paper;
 - zstd of the whole current payload (a keyframe).
 
-Every method is checked to round-trip exactly. Run: ``python benchmarks/bench_entropy_coders.py``
+Every method is checked to round-trip exactly. Run: ``python -m benchmarks entropy_coders``
 (< 2 minutes on 2 cores); it prints a markdown table and writes ``docs/understanding/deltas.md``.
 """
 
@@ -313,7 +313,7 @@ def report(series: dict[str, list[bytes]], rows: list[tuple[str, int, float, flo
 
 DOC_HEAD = """# Deltas: how a version is stored against its parent
 
-*This page is written by `python benchmarks/bench_entropy_coders.py`, which replaces the
+*This page is written by `python -m benchmarks entropy_coders`, which replaces the
 whole file with its text and fresh measurements: to change the prose, edit `DOC_HEAD` and
 `DOC_TAIL` in that script, not this file.*
 
@@ -339,7 +339,7 @@ Huffman. We measured that against zstd on the same streams:
 def write_doc(tables: str) -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, Python {platform.python_version()}"
     DOCS.write_text(
-        DOC_HEAD + f"\n`python benchmarks/bench_entropy_coders.py` ({machine}; times are wall clock "
+        DOC_HEAD + f"\n`python -m benchmarks entropy_coders` ({machine}; times are wall clock "
         "of one pass, so treat speeds as rough).\n\n" + tables + "\n" + DOC_TAIL
     )
 

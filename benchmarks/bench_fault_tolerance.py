@@ -18,7 +18,7 @@ loss against the uninterrupted run, the whole state's stored ratio (history, and
 the newest residual), the residual's share of the bytes; the loss curves are plotted to
 ``docs/img/fault-tolerance.png`` when matplotlib is installed.
 
-Run: ``python benchmarks/bench_fault_tolerance.py [--quick]``.
+Run: ``python -m benchmarks fault_tolerance [--quick]``.
 """
 
 from __future__ import annotations

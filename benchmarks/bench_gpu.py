@@ -25,7 +25,7 @@ Every GPU payload is checked against the CPU payload of the same tensor (byte-id
 Needs CuPy and a CUDA device (``pip install 'inshrink-store[gpu]'``); without them it says
 so and exits 0. Not part of ``benchmarks/run.py``: the benchmark machine has no GPU.
 
-    python benchmarks/bench_gpu.py --numel 268435456
+    python -m benchmarks gpu --numel 268435456
 """
 
 from __future__ import annotations

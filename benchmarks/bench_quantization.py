@@ -9,12 +9,11 @@ codec rows time the NUQ codec alone on one tensor against the ALGORITHM.md targe
 (encode >= 50 M params/s/core, decode >= 150 M params/s/core). Peak memory is
 measured with tracemalloc (numpy reports its buffers to it).
 
-Run through ``python benchmarks/run.py``.
+Run through ``python -m benchmarks run``.
 """
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 import uuid
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 from numcodecs import Zstd
 
 import inshrink_store as ins
+from benchmarks.machine_info import timed
 from inshrink_store.codecs.nuq import NUQ
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.partition import TensorInput, quantize_tensor
@@ -80,16 +80,10 @@ def _rel_l2(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return float(np.sqrt(num / den))
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
 def lossless_zstd(weights: dict[str, np.ndarray]) -> dict[str, Any]:
     codec = Zstd(level=3)
-    t_enc, blobs = _timed(lambda: {k: codec.encode(v) for k, v in weights.items()})
-    t_dec, back = _timed(lambda: {k: np.frombuffer(codec.decode(b), np.float32).reshape(weights[k].shape)
+    t_enc, blobs = timed(lambda: {k: codec.encode(v) for k, v in weights.items()})
+    t_dec, back = timed(lambda: {k: np.frombuffer(codec.decode(b), np.float32).reshape(weights[k].shape)
                                   for k, b in blobs.items()})
     return {"bytes": sum(len(b) for b in blobs.values()), "enc_s": t_enc, "dec_s": t_dec,
             "rel_l2": _rel_l2(weights, back), "back": back}
@@ -107,8 +101,8 @@ def int8_zstd(weights: dict[str, np.ndarray]) -> dict[str, Any]:
             out[k] = (scale, codec.encode(q))
         return out
 
-    t_enc, blobs = _timed(enc)
-    t_dec, back = _timed(lambda: {
+    t_enc, blobs = timed(enc)
+    t_dec, back = timed(lambda: {
         k: (np.frombuffer(codec.decode(b), np.int8).astype(np.float32) * s).reshape(weights[k].shape)
         for k, (s, b) in blobs.items()})
     return {"bytes": sum(len(b) + 4 for _, b in blobs.values()), "enc_s": t_enc, "dec_s": t_dec,
@@ -118,9 +112,9 @@ def int8_zstd(weights: dict[str, np.ndarray]) -> dict[str, Any]:
 def inshrink(weights: dict[str, np.ndarray], config: QuantConfig) -> dict[str, Any]:
     url = f"memory://inshrink-bench-{uuid.uuid4().hex}"
     repo = ins.open(url, create=True)
-    t_enc, _ = _timed(lambda: repo.save(weights, quantize=config, message="bench"))
+    t_enc, _ = timed(lambda: repo.save(weights, quantize=config, message="bench"))
     snap = repo.checkout("main")
-    t_dec, back = _timed(lambda: {k: snap.read(k) for k in weights})
+    t_dec, back = timed(lambda: {k: snap.read(k) for k in weights})
     stored = sum(repo._storage.list("objects").values())
     repo._storage.fs.rm(repo._storage.root, recursive=True)
     return {"bytes": stored, "enc_s": t_enc, "dec_s": t_dec, "rel_l2": _rel_l2(weights, back), "back": back}
@@ -159,8 +153,8 @@ def codec_speed(weight: np.ndarray, config: QuantConfig, repeats: int) -> dict[s
     _, enc_peak = tracemalloc.get_traced_memory()
     enc_peak -= base
     tracemalloc.stop()
-    enc = min(_timed(lambda: codec.encode(snapped))[0] for _ in range(repeats))
-    dec = min(_timed(lambda: codec.decode(encoded))[0] for _ in range(repeats))
+    enc = min(timed(lambda: codec.encode(snapped))[0] for _ in range(repeats))
+    dec = min(timed(lambda: codec.decode(encoded))[0] for _ in range(repeats))
     return {"params": weight.size, "enc_mps": weight.size / enc / 1e6, "dec_mps": weight.size / dec / 1e6,
             "plan_peak_x": plan_peak / weight.nbytes, "enc_peak_x": enc_peak / weight.nbytes}
 

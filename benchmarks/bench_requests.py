@@ -6,8 +6,8 @@ server on 127.0.0.1, in process: a hook on aiobotocore's ``AioEndpoint._send`` (
 request s3fs sends goes through it) counts each request by HTTP method; a GET whose query
 has ``list-type=2`` is a listing and counted as LIST, not GET. Every input is seeded and
 the counts do not depend on the machine. Needs s3fs and ``moto[server]`` (the ``s3`` and
-``test`` extras). Run through ``python benchmarks/run.py`` or alone:
-``python benchmarks/bench_requests.py [--quick]``.
+``test`` extras). Run through ``python -m benchmarks run`` or alone:
+``python -m benchmarks requests [--quick]``.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ time from ``save`` until ``wait`` returned (the version committed). Medians over
 Targets (issue 42): compressed first save <= 10x torch.save+fsync, later saves <= 3x, lossless
 <= 1.5x; blocked <= 2x a plain copy + 50 ms.
 
-    python benchmarks/bench_save_cost.py                       # 3 rounds (several minutes on 2 cores)
-    python benchmarks/bench_save_cost.py --out benchmarks/recorded/save_cost.md
-    python benchmarks/bench_save_cost.py --quick               # a tiny MLP, to check the harness
+    python -m benchmarks save_cost                       # 3 rounds (several minutes on 2 cores)
+    python -m benchmarks save_cost --out benchmarks/recorded/save_cost.md
+    python -m benchmarks save_cost --quick               # a tiny MLP, to check the harness
 """
 
 from __future__ import annotations
@@ -30,16 +30,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import machine_info  # noqa: E402
+from benchmarks import machine_info
 
 FULL = (2048, 4096, 4096, 2048)
 QUICK = (64, 256, 256, 64)
@@ -123,7 +120,7 @@ def run(quick: bool = False, rounds: int | None = None, steps: int = 5) -> dict[
     params = sum(p.numel() for p in model.parameters())
     seconds: dict[str, list[float]] = {row: [] for row in ROWS}
     blocked: dict[str, list[float]] = {row: [] for row in ROWS[2:]}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load = machine_info.load_average()
     with tempfile.TemporaryDirectory(prefix="inshrink-save-cost-", dir=os.environ.get("INSHRINK_BENCH_DIR")) as tmp, \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no eval_fn: the Checkpointer says so once per instance
@@ -147,7 +144,7 @@ def run(quick: bool = False, rounds: int | None = None, steps: int = 5) -> dict[
         later.close()
         stored = ins.open(os.path.join(tmp, "later")).du()[0]
         ratio = stored.logical_bytes / max(1, stored.new_stored_bytes - stored.residual_bytes)
-    load = max(load, os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
+    load = max(load, machine_info.load_average())
     return {"quick": quick, "rounds": rounds, "params": params, "state_bytes": 3 * 4 * params, "load": load,
             "seconds": seconds, "blocked": blocked, "later_ratio": ratio, "machine": machine_info.describe()}
 
@@ -167,7 +164,7 @@ def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     rows = summary(result)
-    command = "python benchmarks/bench_save_cost.py" + (" --quick" if result["quick"] else "")
+    command = "python -m benchmarks save_cost" + (" --quick" if result["quick"] else "")
     copy_s = rows["plain copy"]["seconds"]
     limit = 2 * copy_s + 0.05
     lines = [

@@ -7,7 +7,7 @@ the least CPU are kept: the machine is shared). Reported per size: wall and CPU 
 parameters per CPU-second; linear cost means a flat last column. A plot goes to
 ``docs/img/scaling.png`` when matplotlib is installed.
 
-    python benchmarks/bench_scaling.py [--quick]
+    python -m benchmarks scaling [--quick]
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import QuantConfig  # noqa: E402
@@ -32,7 +30,7 @@ PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "scaling.png"
 
 
 def _measure(n: int, workdir: str) -> dict[str, float]:
-    from bench_quantization import make_weights
+    from benchmarks.bench_quantization import make_weights
 
     weights = make_weights(n)
     params = sum(a.size for a in weights.values())

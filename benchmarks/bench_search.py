@@ -20,7 +20,7 @@ hash, fsync). CPU seconds are the process's (every thread), minus the stand-in's
 estimate's error is each trial's estimated ratio against the same configuration's
 measured one (measured afterwards, untimed).
 
-    python benchmarks/bench_search.py      # prints the markdown section
+    python -m benchmarks search      # prints the markdown section
 """
 
 from __future__ import annotations
@@ -30,12 +30,9 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import Candidates, SearchPolicy  # noqa: E402
@@ -56,7 +53,7 @@ class MeasuredCandidates(Candidates):
 
 
 def _state(n: int, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    from bench_quantization import make_weights
+    from benchmarks.bench_quantization import make_weights
 
     rng = np.random.default_rng(seed + 100)
     weights = {f"model/{k}": v for k, v in make_weights(n).items()}

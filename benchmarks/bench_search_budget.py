@@ -8,23 +8,17 @@ default method. Reported: the weights' ratio over every version, the final test 
 candidate evaluations over the run and the ``eval_fn`` calls of the first save and (median)
 of the later ones. Runs go two at a time in separate processes (one torch thread each).
 
-    python benchmarks/bench_search_budget.py            # full size (~10 min on 2 cores)
-    python benchmarks/bench_search_budget.py --quick    # tiny runs, to check the harness
+    python -m benchmarks search_budget            # full size (~10 min on 2 cores)
+    python -m benchmarks search_budget --quick    # tiny runs, to check the harness
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 WORKLOADS = ("cnn", "lm", "transfer")
 POLICIES = {"budgeted": "default", "exhaustive": None}
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny runs, to check the harness")
     args = parser.parse_args(argv)
-    command = "python benchmarks/bench_search_budget.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks search_budget" + (" --quick" if args.quick else "")
     print(to_markdown(run_all(args.quick), command))
     return 0
 

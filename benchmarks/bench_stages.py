@@ -8,7 +8,7 @@ the calling thread* (``time.thread_time``): stages run on several threads at onc
 writer's pool, zarr's codec threads), where wall-clock sums would count waiting. A stage
 that calls another stage includes it; the table says so.
 
-    python benchmarks/bench_stages.py      # prints the markdown section
+    python -m benchmarks stages      # prints the markdown section
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store import cas, manifest  # noqa: E402
@@ -108,7 +105,7 @@ def _timed(stages: list[tuple[str, str, list[tuple[Any, str]], str]]) -> Iterato
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from bench_quantization import make_weights
+    from benchmarks.bench_quantization import make_weights
 
     n = N_PARAMS // 8 if quick else N_PARAMS
     weights = make_weights(n)

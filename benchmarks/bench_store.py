@@ -3,7 +3,7 @@
 Measures save and load wall time and stored bytes side by side, and the bytes a second
 save of the same state adds (dedup); then what a state of thousands of small tensors costs
 per tensor (every tensor is at least one object: a fixed cost that a single file does not
-pay). Run through ``python benchmarks/run.py``.
+pay). Run through ``python -m benchmarks run``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import inshrink_store as ins
+from benchmarks.machine_info import dir_bytes, timed
 from inshrink_store.torch import load_state, save_state
 
 
@@ -35,16 +35,6 @@ def make_state(target_mb: int = 100) -> dict[str, torch.Tensor]:
         state[p + "mlp.up.bias"] = torch.zeros(2 * d)
         layers += 1
     return state
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _timed(fn):  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def _fsynced(write, path: Path):  # type: ignore[no-untyped-def]
@@ -71,23 +61,23 @@ def run(target_mb: int = 100) -> dict[str, object]:
             saves, loads = [], []
             for i in range(REPEAT):
                 path = work / f"state-{i}.{suffix}"
-                saves.append(_timed(_fsynced(save, path))[0])
-                loads.append(_timed(lambda path=path, load=load: load(path))[0])
+                saves.append(timed(_fsynced(save, path))[0])
+                loads.append(timed(lambda path=path, load=load: load(path))[0])
             rows.append((name, min(saves), min(loads), path.stat().st_size))
 
         saves, loads = [], []
         for i in range(REPEAT):
             repo = ins.open(str(work / f"store-{i}"), create=True)
-            saves.append(_timed(lambda repo=repo: save_state(repo, {"model": state}, step=1))[0])
-            first = _dir_bytes(work / f"store-{i}")
+            saves.append(timed(lambda repo=repo: save_state(repo, {"model": state}, step=1))[0])
+            first = dir_bytes(work / f"store-{i}")
             ins.index.CACHE.clear()
             fresh = ins.open(str(work / f"store-{i}"))
-            t_load, loaded = _timed(lambda fresh=fresh: load_state(fresh, "main"))
+            t_load, loaded = timed(lambda fresh=fresh: load_state(fresh, "main"))
             loads.append(t_load)
         assert all(torch.equal(loaded["model"][k], v) for k, v in state.items())
         rows.append(("inshrink (lossless)", min(saves), min(loads), first))
-        t_save2, _ = _timed(lambda: save_state(repo, {"model": state}, step=2))
-        second = _dir_bytes(work / f"store-{REPEAT - 1}") - first
+        t_save2, _ = timed(lambda: save_state(repo, {"model": state}, step=2))
+        second = dir_bytes(work / f"store-{REPEAT - 1}") - first
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"logical": logical, "rows": rows, "second_save_bytes": second, "second_save_s": t_save2,
@@ -104,14 +94,14 @@ def many_tensors(count: int = 2000) -> dict[str, float]:
     changed = {k: v + 1 for k, v in state.items()}
     work = Path(tempfile.mkdtemp(prefix="inshrink-many-"))
     try:
-        t_torch = min(_timed(_fsynced(lambda p: torch.save(state, p), work / f"many-{i}.pt"))[0]
+        t_torch = min(timed(_fsynced(lambda p: torch.save(state, p), work / f"many-{i}.pt"))[0]
                       for i in range(REPEAT))
         repo = ins.open(str(work / "store"), create=True)
-        t_first, _ = _timed(lambda: save_state(repo, {"model": state}, step=1))
-        t_second, _ = _timed(lambda: save_state(repo, {"model": changed}, step=2))
+        t_first, _ = timed(lambda: save_state(repo, {"model": state}, step=1))
+        t_second, _ = timed(lambda: save_state(repo, {"model": changed}, step=2))
         ins.index.CACHE.clear()
         fresh = ins.open(str(work / "store"))
-        t_load, loaded = _timed(lambda: load_state(fresh, "main"))
+        t_load, loaded = timed(lambda: load_state(fresh, "main"))
         assert all(torch.equal(loaded["model"][k], v) for k, v in changed.items())
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -4,7 +4,7 @@ compared with its payload before it is stored (``cas.ObjectStore._check_writable
 One quantized save (16 levels) of 8 float32 tensors of 1024 x 1024 (32 MiB) into ``memory://``,
 with the check as it ships and with it patched out, interleaved in one process, median of
 5 saves each. Raw floats are decoded only with ``INSHRINK_VERIFY_WRITES=1``, off here, as in
-production. Run alone: ``python benchmarks/bench_write_check.py``; prints the two medians
+production. Run alone: ``python -m benchmarks write_check``; prints the two medians
 and their ratio.
 """
 

@@ -1,7 +1,7 @@
 """The one benchmark command: every comparison side by side, written to docs/benchmarks.md.
 
-    python benchmarks/run.py            # full sizes (~100 MB state, 32 M params; 10-15 min on 2 cores)
-    python benchmarks/run.py --quick    # small sizes, to check the harness (about a minute)
+    python -m benchmarks run            # full sizes (~100 MB state, 32 M params; 10-15 min on 2 cores)
+    python -m benchmarks run --quick    # small sizes, to check the harness (about a minute)
 
 Sections: the lossless store vs torch.save and safetensors; lossless floats of a real
 pretrained model (CREPE, from the ``bench`` extra) vs ZipNN, byte-grouped zstd, Blosc,
@@ -35,25 +35,26 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+from benchmarks import machine_info  # light: the standard library only
+
 STARTED = time.perf_counter()  # before the benchmark modules (and torch) are imported
-LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+LOAD_AT_START = machine_info.load_average()
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_dcp  # noqa: E402
-import bench_delta  # noqa: E402
-import bench_fault_tolerance  # noqa: E402
-import bench_lossless  # noqa: E402
-import bench_moments  # noqa: E402
-import bench_quantization  # noqa: E402
-import bench_requests  # noqa: E402
-import bench_scaling  # noqa: E402
-import bench_search  # noqa: E402
-import bench_stages  # noqa: E402
-import bench_store  # noqa: E402
-import bench_training  # noqa: E402
-import machine_info  # noqa: E402
-import targets  # noqa: E402
+from benchmarks import (  # noqa: E402 - after STARTED, which times their imports
+    bench_dcp,
+    bench_delta,
+    bench_fault_tolerance,
+    bench_lossless,
+    bench_moments,
+    bench_quantization,
+    bench_requests,
+    bench_scaling,
+    bench_search,
+    bench_stages,
+    bench_store,
+    bench_training,
+    targets,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 Kept = TypeVar("Kept")
@@ -63,11 +64,11 @@ Kept = TypeVar("Kept")
 #: file holds the section as the command printed it (a ``## `` title first); rerun the command
 #: and replace the file to refresh it
 RECORDED = (
-    ("search_budget.md", "python benchmarks/bench_search_budget.py"),
-    ("frameworks.md", "python benchmarks/bench_frameworks.py"),
-    ("scale_state.md", "python benchmarks/bench_scale_state.py"),
-    ("save_cost.md", "python benchmarks/bench_save_cost.py --out benchmarks/recorded/save_cost.md"),
-    ("cli_reads.md", "python -m benchmarks.bench_cli_reads"),
+    ("search_budget.md", "python -m benchmarks search_budget"),
+    ("frameworks.md", "python -m benchmarks frameworks"),
+    ("scale_state.md", "python -m benchmarks scale_state"),
+    ("save_cost.md", "python -m benchmarks save_cost --out benchmarks/recorded/save_cost.md"),
+    ("cli_reads.md", "python -m benchmarks cli_reads"),
     ("closed_loop_moments.md", "python -m benchmarks.evaluate.single {cnn,lm,transfer} --methods ours,ours-open "
                                "--rollback-at 0.5"),
 )
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{title}] {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         sections.append(f"## {title}\n\n{body}\n")
 
-    command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks run" + (" --quick" if args.quick else "")
     page = "\n".join([
         "# Benchmarks",
         "",
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         f"for {time.perf_counter() - STARTED:.0f} s of wall clock on the machine below, imports "
         f"included (sections in order: {', '.join(took)}); other jobs on the same cores make it "
         f"slower (1-minute load average {LOAD_AT_START:.1f} when it started, "
-        f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan'):.1f} when it ended; "
+        f"{machine_info.load_average():.1f} when it ended; "
         f"{os.cpu_count()} means both cores busy).",
         "",
         f"Machine: {machine_info.describe()}. The machine is shared, so treat speeds as within ±30 %; "
@@ -154,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "- Rate and distortion on real pretrained models (per-tensor allocation vs one configuration, "
         "k-means + zstd, int8/int4; bits per level id vs their entropy): "
-        "`python benchmarks/bench_rate_distortion.py` writes "
+        "`python -m benchmarks rate_distortion` writes "
         "[understanding/rate-distortion.md](understanding/rate-distortion.md).",
         "- The paper's fault-tolerance experiment with its baselines, tolerance sweep and restores: "
         "`python -m benchmarks evaluate` writes [evaluation.md](evaluation.md).",
-        "- Entropy coders for level-id deltas: `python benchmarks/bench_entropy_coders.py` writes "
+        "- Entropy coders for level-id deltas: `python -m benchmarks entropy_coders` writes "
         "[understanding/deltas.md](understanding/deltas.md).",
         "",
     ])

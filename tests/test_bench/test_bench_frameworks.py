@@ -1,4 +1,4 @@
-"""The frameworks benchmark's quick form (benchmarks/bench_frameworks.py --quick --in-process):
+"""The frameworks benchmark's quick form (``python -m benchmarks frameworks --quick`` --in-process):
 every configuration, under the HF Trainer and Lightning, trains a tiny BERT, writes checkpoints
 that load back bit for bit, and the compressed ones stay within the search policy's eval_fn
 budget. About 30 s on 2 cores: the configurations run in this process (the benchmark's own
@@ -6,10 +6,8 @@ runs give each a fresh one, for its peak RSS)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_frameworks.py"
 
 pytestmark = [
     # Lightning's notices about a CPU run: no workers in the data loader, no logger
@@ -30,12 +27,8 @@ pytestmark = [
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_frameworks_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark as ``python -m benchmarks frameworks`` imports it: a module of the package."""
+    return importlib.import_module("benchmarks.bench_frameworks")
 
 
 def test_every_configuration_checkpoints_and_loads_back(tmp_path):

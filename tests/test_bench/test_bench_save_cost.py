@@ -1,27 +1,19 @@
-"""The save-cost benchmark's quick form (benchmarks/bench_save_cost.py --quick): every row of
+"""The save-cost benchmark's quick form (``python -m benchmarks save_cost --quick``): every row of
 issue 42's table is measured on a tiny MLP, the Checkpointer rows with their blocked time,
 and the section names its targets. About 20 s on 2 cores."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
 
 pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_save_cost.py"
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_save_cost_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark as ``python -m benchmarks save_cost`` imports it: a module of the package."""
+    return importlib.import_module("benchmarks.bench_save_cost")
 
 
 def test_the_quick_form_measures_every_row(tmp_path, capsys):

@@ -1,24 +1,18 @@
 """The stage table of ``benchmarks/bench_stages.py`` times library functions by patching them
 by name: a function renamed in the library must fail here, not halfway through
-``python benchmarks/run.py`` (a rename of ``partition._error_stats`` once did)."""
+``python -m benchmarks run`` (a rename of ``partition._error_stats`` once did)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stages.py"
-
 
 def _stages() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_stages_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark as ``python -m benchmarks stages`` imports it: a module of the package."""
+    return importlib.import_module("benchmarks.bench_stages")
 
 
 @pytest.mark.parametrize("table", ["SAVE_STAGES", "LOAD_STAGES"])
