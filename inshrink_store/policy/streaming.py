@@ -241,7 +241,13 @@ class MomentStream(Mapping[str, ArrayPlan]):
         prefix = self._owner.get(path)
         if prefix is None:
             raise KeyError(path)
-        with self._locks[prefix]:
+        lock = self._locks[prefix]
+        if not lock.acquire(blocking=False):
+            # the pair's other tensor is being planned on another writer thread (the writer reads
+            # a pair's two paths one after the other): plan a later pair meanwhile, not idle
+            self._plan_ahead(prefix)
+            lock.acquire()
+        try:
             owed = self._owed.get(prefix, set())
             if path in owed:  # planned with its pair's other tensor: handed over once, then dropped
                 owed.discard(path)
@@ -251,9 +257,28 @@ class MomentStream(Mapping[str, ArrayPlan]):
                 plan = made.pop(path, None)
                 self._pending.update(made)
                 self._owed[prefix] = {f"{prefix}/{M_KEY}", f"{prefix}/{V_KEY}"} - {path}
+        finally:
+            lock.release()
         if plan is None:
             raise KeyError(path)  # the guard kept this pair lossless
         return plan
+
+    def _plan_ahead(self, after: str) -> None:
+        """Plan the first pair after ``after`` that no thread has planned or is planning; its
+        plans wait for the writer's reads (the same plans whichever thread makes them)."""
+        streamed = [p for p in self._pairs if p in self._owner.values()]
+        for prefix in streamed[streamed.index(after) + 1:]:
+            lock = self._locks[prefix]
+            if prefix in self._owed or not lock.acquire(blocking=False):
+                continue
+            try:
+                if prefix in self._owed:
+                    continue
+                self._pending.update(self._plan_pair(prefix))
+                self._owed[prefix] = {f"{prefix}/{M_KEY}", f"{prefix}/{V_KEY}"}
+            finally:
+                lock.release()
+            return
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._owner)
