@@ -4,8 +4,8 @@
 (docs/evaluation.md); every other command is one benchmark, ``benchmarks/bench_COMMAND.py``
 (``python -m benchmarks stages`` runs ``bench_stages.py``), with its own options (``--help``).
 Run from the repository root: the benchmarks are modules of the ``benchmarks`` package and
-import each other as such (no ``sys.path`` edits), so ``python -m benchmarks stages``
-works too, and ``python -m benchmarks stages`` does not.
+import each other as such (nothing edits the import path), so the module form
+``python -m benchmarks.bench_stages`` works too, and running a file as a script does not.
 
 The commands are found from the files, each described by its docstring's first line, so a new
 ``bench_*.py`` is a command without an edit here, and listing them imports nothing heavy.

@@ -11,9 +11,9 @@ before it (the live model and optimizer), as a fraction of the state. The Checkp
 staging copy of the state is part of that figure (it is what lets the loop go on); the last
 column leaves it out, as issue 42's target (at most 0.5x the state beyond the copy) counts.
 
-    python benchmarks/bench_scale_state.py             # 50 M and 500 M (6 GB of state; minutes)
-    python benchmarks/bench_scale_state.py --quick     # 5 M and 50 M
-    python benchmarks/bench_scale_state.py --out benchmarks/recorded/scale_state.md
+    python -m benchmarks scale_state             # 50 M and 500 M (6 GB of state; minutes)
+    python -m benchmarks scale_state --quick     # 5 M and 50 M
+    python -m benchmarks scale_state --out benchmarks/recorded/scale_state.md
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks import machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SIZES = (50_000_000, 500_000_000)
 QUICK_SIZES = (5_000_000, 50_000_000)
@@ -119,17 +121,17 @@ def measure(n: int) -> dict[str, Any]:
 def run(quick: bool = False) -> dict[str, Any]:
     rows = []
     for n in QUICK_SIZES if quick else SIZES:
-        done = subprocess.run([sys.executable, __file__, "--one", str(n)], capture_output=True, text=True, check=True)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale_state", "--one", str(n)],
+                              cwd=ROOT, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    import machine_info
 
     return {"rows": rows, "quick": quick, "machine": machine_info.describe(),
-            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")}
+            "load": machine_info.load_average()}
 
 
 def to_markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
-    command = "python benchmarks/bench_scale_state.py" + (" --quick" if result["quick"] else "")
+    command = "python -m benchmarks scale_state" + (" --quick" if result["quick"] else "")
     lines = ["## A compressed save of a 500 M-parameter state", "",
              f"`{command}`: a compressed `Checkpointer` save (no `eval_fn`) of a synthetic fp32 model and its "
              "AdamW moments, each size in a fresh process; memory is resident memory sampled every 20 ms, the "

@@ -31,14 +31,9 @@ def _edits_sys_path(path: Path) -> list[int]:
             and isinstance(node.value, ast.Name) and node.value.id == "sys"]
 
 
-# bench_scale_state.py was being changed by another session when the others were converted;
-# it still finds machine_info through sys.path. Remove the row when it imports the package.
-NOT_YET = {"bench_scale_state.py"}
-
-
 def test_no_benchmark_edits_sys_path() -> None:
     found = {p.relative_to(ROOT).as_posix(): lines for p in sorted(BENCHMARKS.rglob("*.py"))
-             if p.name not in NOT_YET and (lines := _edits_sys_path(p))}
+             if (lines := _edits_sys_path(p))}
     assert not found, f"benchmarks that edit sys.path (import them as benchmarks.x instead): {found}"
 
 
