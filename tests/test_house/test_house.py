@@ -30,7 +30,7 @@ HOMES: dict[str, str] = {
     # layers because structure.py (which index may import, never the reverse) refuses it as a key
     structure.METADATA_KEY: "structure.py",
     layout.CONFIG_FILE: "layout.py",  # the store's settings file, inshrink.json
-    nuq.CODEC_ID: "codecs/nuq.py",
+    nuq.CODEC_ID: "codecs/_nuq_config.py",
     vdelta.CODEC_ID: "codecs/vdelta.py",
     bytegroup.CODEC_ID: "codecs/bytegroup.py",
 }
