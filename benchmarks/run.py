@@ -69,7 +69,7 @@ RECORDED = (
     ("scale_state.md", "python -m benchmarks scale_state"),
     ("save_cost.md", "python -m benchmarks save_cost --out benchmarks/recorded/save_cost.md"),
     ("cli_reads.md", "python -m benchmarks cli_reads"),
-    ("closed_loop_moments.md", "python -m benchmarks.evaluate.single {cnn,lm,transfer} --methods ours,ours-open "
+    ("closed_loop_moments.md", "python -m benchmarks.evaluate.single {cnn,lm,transfer} --methods ours-closed,ours-open "
                                "--rollback-at 0.5"),
 )
 

@@ -12,10 +12,10 @@ evaluation's own (:func:`benchmarks.evaluate.experiment.run`: same schedule, 10 
 tolerance 5 %, the same reference), and the table adds the moments' ratio (``optimizer/``
 tensors: Adam's moments and step counters) beside the weights and the history.
 
-Methods: the keys of :data:`benchmarks.evaluate.plan.MAIN` plus ``ours-open`` (the default with
-``MomentPolicy(closed_loop=False, min_numel=4096)``: the moments as they were stored before
-closed-loop moments) and
-``ours-loose`` (the default with the moments' guard loosened to :data:`LOOSE_MOMENTS`).
+Methods: the keys of :data:`benchmarks.evaluate.plan.MAIN` plus ``ours-closed`` (the default with
+closed-loop moments, ``MomentPolicy(closed_loop=True)``, opt-in), ``ours-open`` (the default with
+``MomentPolicy(min_numel=4096)``: the moments as they were stored before ``min_numel`` 1024) and
+``ours-loose`` (closed-loop moments with the guard loosened to :data:`LOOSE_MOMENTS`).
 """
 
 from __future__ import annotations
@@ -36,16 +36,18 @@ from inshrink_store.policy.moments import MomentPolicy
 
 #: a looser guard on the moments (the default: cosine 0.95, error 0.3): with an exact resume the
 #: moments' stored values serve only rollbacks, which :mod:`benchmarks.evaluate.rollback` checks
-LOOSE_MOMENTS = MomentPolicy(min_update_cosine=0.8, max_update_error=0.6)
+LOOSE_MOMENTS = MomentPolicy(min_update_cosine=0.8, max_update_error=0.6, closed_loop=True)
 
 
 def methods(rollback_at: float = 0.0) -> dict[str, Any]:
     """The methods by key, every exact-resume one of ours with the rollback check at ``rollback_at``."""
     out: dict[str, Any] = {k: dataclasses.replace(m, rollback_at=rollback_at) if isinstance(m, Ours) and
                            m.exact_resume else m for k, m in MAIN.items()}
-    out["ours-open"] = Ours("ours-open", "ours, default before closed-loop moments (open loop, min_numel 4096)",
+    out["ours-closed"] = Ours("ours-closed", "ours, closed-loop moments (opt-in)",
+                              moments=MomentPolicy(closed_loop=True), rollback_at=rollback_at)
+    out["ours-open"] = Ours("ours-open", "ours, open-loop moments, min_numel 4096 (before this release)",
                             moments=MomentPolicy(closed_loop=False, min_numel=4096), rollback_at=rollback_at)
-    out["ours-loose"] = Ours("ours-loose", "ours, default, moments guarded at cosine 0.8 / error 0.6",
+    out["ours-loose"] = Ours("ours-loose", "ours, closed-loop moments guarded at cosine 0.8 / error 0.6",
                              moments=LOOSE_MOMENTS, rollback_at=rollback_at)
     return out
 
@@ -87,7 +89,7 @@ def rollback_rows(checks: dict[str, Any], reference: RunResult, metric: str) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluate.single", description=__doc__.split("\n\n")[0])
     parser.add_argument("workload", choices=("cnn", "lm", "transfer"))
-    parser.add_argument("--methods", default="ours,ours-open", help="comma-separated method keys")
+    parser.add_argument("--methods", default="ours-closed,ours-open", help="comma-separated method keys")
     parser.add_argument("--quick", action="store_true", help="the evaluation's tiny size (2 failures)")
     parser.add_argument("--rollback-at", type=float, default=0.0, metavar="F",
                         help="after each of our exact-resume runs, restore the version at fraction F of the run "

@@ -57,6 +57,7 @@ from inshrink_store.policy import (
 from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget
 from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.moment_loop import with_moment_bases
+from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import Decision, PolicyArgs
 from inshrink_store.refs import replaced_branch_name
@@ -572,7 +573,9 @@ class Checkpointer:
         # most of the tensor (they keep their value), so its moments are pruned on their own
         params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
         codecs = self._previous_codecs(parent)
-        if self.closed_loop:  # Adam's moments too are coded against the parent's stored values
+        moments = self.policy.optimizer
+        if self.closed_loop and isinstance(moments, MomentPolicy) and moments.closed_loop:
+            # Adam's moments too are coded against the parent's stored values (opt-in)
             codecs = with_moment_bases(codecs, None if parent is None else self.repo.checkout(parent), arrays,
                                        dtypes, self.repo.keyframe_interval)
         candidates = Candidates(searched, dtypes, codecs, sensitivity=sensitivity,

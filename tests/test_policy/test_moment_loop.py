@@ -54,7 +54,7 @@ def _train(url: str, *, saves: int, moments: MomentPolicy | None = None, closed_
             return float(((m(x) - y) ** 2).mean())
 
     policy = SearchPolicy(tolerance=0.05, higher_is_better=False,
-                          optimizer=moments if moments is not None else MomentPolicy())
+                          optimizer=moments if moments is not None else MomentPolicy(closed_loop=True))
     with Checkpointer(repo, model, optimizer, eval_fn=evaluate, every=10, policy=policy,
                       closed_loop=closed_loop) as ck:
         for step in range(1, 10 * saves + 1):
@@ -100,7 +100,7 @@ def test_the_guard_judges_the_reconstruction_a_lossy_restore_returns(trained: An
     """The recorded figures are those of the moments a lossy read hands the optimizer,
     compared with the exact ones the restore residual gives back, and they pass the guard."""
     repo, _, _ = trained
-    policy = MomentPolicy()
+    policy = MomentPolicy(closed_loop=True)
     newest = repo.log()[0].id  # the one version that keeps its restore residual (the exact moments)
     for info in repo.log():
         lossy = state_to_arrays(load_state(repo, info.id, exact=False))[0]
@@ -146,10 +146,13 @@ def test_same_training_gives_the_same_bytes(tmp_path: Any) -> None:
 
 
 def test_open_loop_moments_stay_as_they_were(tmp_path: Any) -> None:
-    """``MomentPolicy(closed_loop=False)`` and ``Checkpointer(closed_loop=False)`` code every
-    version's moments on their own: no coding fields, nuq arrays, as before."""
-    for repo in (_train(str(tmp_path / "p"), saves=3, moments=MomentPolicy(closed_loop=False))[0],
-                 _train(str(tmp_path / "c"), saves=3, closed_loop=False)[0]):
+    """The default ``MomentPolicy()`` (closed-loop moments are opt-in), ``MomentPolicy(closed_loop=False)``
+    and ``Checkpointer(closed_loop=False)`` code every version's moments on their own: no coding
+    fields, nuq arrays, as before."""
+    for repo in (_train(str(tmp_path / "d"), saves=3, moments=MomentPolicy())[0],
+                 _train(str(tmp_path / "p"), saves=3, moments=MomentPolicy(closed_loop=False))[0],
+                 _train(str(tmp_path / "c"), saves=3, closed_loop=False,
+                        moments=MomentPolicy(closed_loop=True))[0]):
         for record in _records(repo):
             t = record.tensors[PREFIX]
             assert t.exp_avg_coding is None and t.exp_avg_sq_coding is None
@@ -181,7 +184,7 @@ def test_a_planner_given_no_parent_codes_keyframes_and_without_the_key_open_loop
     m = (rng.standard_normal((64, 80)) * 1e-3).astype(np.float32)
     v = (rng.random((64, 80)) * 1e-6 + 1e-9).astype(np.float32)
     tensors, dtypes = {M: m, V: v}, {M: "F32", V: "F32"}
-    policy = MomentPolicy(min_numel=64)
+    policy = MomentPolicy(min_numel=64, closed_loop=True)
     loop = policy.plan(tensors, dtypes, {M: {LOOP_KEY: LoopEntry(None, 8)}, V: {LOOP_KEY: LoopEntry(None, 8)}})
     record = loop.record.tensors[PREFIX]
     assert (record.exp_avg_coding, record.exp_avg_sq_coding) == ("keyframe", "keyframe")
@@ -270,7 +273,7 @@ def test_the_thread_count_does_not_change_closed_loop_plans(monkeypatch: pytest.
     made = []
     for threads in ("1", "4"):
         monkeypatch.setenv("INSHRINK_WRITE_THREADS", threads)
-        plans = MomentPolicy(min_numel=64).plan(tensors, dtypes, previous)
+        plans = MomentPolicy(min_numel=64, closed_loop=True).plan(tensors, dtypes, previous)
         made.append((plans.record.to_dict(), {p: plans[p].values.tobytes() for p in sorted(plans)}))
     assert made[0] == made[1]
     assert any(t.get("exp_avg_sq_coding") == "residual" for t in made[0][0]["tensors"].values())

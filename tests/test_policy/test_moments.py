@@ -558,7 +558,7 @@ def test_policy_dict_round_trips_through_json(policy: MomentPolicy) -> None:
     data = json.loads(json.dumps(policy.to_dict()))
     assert MomentPolicy.from_dict(data) == policy
     unset = {k for k in ("joint_v_beta", "residual_alpha") if getattr(policy, k) is None}
-    unset |= {"closed_loop"} if policy.closed_loop else set()  # written only when off
+    unset |= set() if policy.closed_loop else {"closed_loop"}  # written only when on (opt-in)
     assert set(data) == set(MomentPolicy.__dataclass_fields__) - unset
     for prune, m_levels, v_levels, _ in policy.attempts():
         assert 0 <= prune <= policy.prune and m_levels <= 255 and v_levels <= 255
@@ -661,7 +661,7 @@ def test_record_dict_round_trips_through_json(record: MomentRecord) -> None:
     data = json.loads(json.dumps(record.to_dict()))
     excp = (record.policy is not None and (record.policy.joint_v_beta, record.policy.residual_alpha) != (None, None)
             or any(t.exp_avg_sq_pruned_fraction is not None for t in record.tensors.values()))
-    loop = (record.policy is not None and not record.policy.closed_loop) or any(
+    loop = (record.policy is not None and record.policy.closed_loop) or any(
         (t.exp_avg_coding, t.exp_avg_sq_kept_fraction, t.residual_attempts) != (None, None, None)
         for t in record.tensors.values())
     assert data["version"] == (3 if loop else 2 if excp else 1), \

@@ -186,7 +186,8 @@ def test_streamed_saves_store_the_bytes_of_plans_made_up_front(tmp_path: Any, mo
         out = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Checkpointer(repo, model, opt, eval_fn=eval_fn) as ck:
+            with Checkpointer(repo, model, opt, eval_fn=eval_fn,
+                              optimizer_policy=MomentPolicy(closed_loop=True)) as ck:
                 for step in range(3):
                     opt.zero_grad()
                     model(x).square().mean().backward()
