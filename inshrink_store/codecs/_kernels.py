@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,28 +41,44 @@ ENV = "INSHRINK_KERNELS"
 #: tensors (tests, the CLI on a toy model) never imports numba, whose import and loading
 #: cost ~0.3 s once per process (what a 4 MiB chunk's numpy passes cost 20 times over)
 KERNEL_MIN = 1 << 16
-_loaded: SimpleNamespace | None = None
-_tried = False
-_lock = threading.Lock()
+
+
+class CompiledLoops:
+    """One set of loops, compiled on first use by ``build`` (or None for good: numba
+    missing, refusing this numpy, failing to compile), turned off by ``INSHRINK_KERNELS=numpy``.
+    The lossless codec's loops here and the quantized path's (``_quant_loops``) share it."""
+
+    def __init__(self, build: Callable[[], SimpleNamespace], fallback: str) -> None:
+        self._compile, self._fallback = build, fallback
+        self._loaded: SimpleNamespace | None = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def active(self) -> SimpleNamespace | None:
+        """The compiled loops, or None when numba is missing, fails to import or to compile
+        them, or is turned off (here or by ``NUMBA_DISABLE_JIT``)."""
+        if os.environ.get(ENV, "").strip().lower() == "numpy":
+            return None
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    try:
+                        self._loaded = self._compile()
+                    except Exception as exc:  # numba refuses some numpy versions at import
+                        _log.info("numba unavailable (%s: %s); %s", type(exc).__name__,
+                                  str(exc).splitlines()[0] if str(exc) else "", self._fallback)
+                        self._loaded = None
+                    self._tried = True
+        return self._loaded
+
+    def for_bytes(self, size: int) -> SimpleNamespace | None:
+        """:meth:`active` for an input of ``size`` bytes, None below :data:`KERNEL_MIN`."""
+        return self.active() if size >= KERNEL_MIN else None
 
 
 def active() -> SimpleNamespace | None:
-    """The compiled loops, or None when numba is missing, fails to import or to compile
-    them, or is turned off (here or by ``NUMBA_DISABLE_JIT``)."""
-    global _loaded, _tried
-    if os.environ.get(ENV, "").strip().lower() == "numpy":
-        return None
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    _loaded = _compile()
-                except Exception as exc:  # numba refuses some numpy versions at import
-                    _log.info("numba unavailable (%s: %s); the lossless codec runs its numpy passes",
-                              type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                    _loaded = None
-                _tried = True
-    return _loaded
+    """The lossless codec's compiled loops (see :class:`CompiledLoops`)."""
+    return _LOOPS.active()
 
 
 def for_bytes(size: int) -> SimpleNamespace | None:
@@ -320,3 +337,7 @@ def read_only(array: np.ndarray) -> np.ndarray:
     view = np.ascontiguousarray(array).view()
     view.flags.writeable = False
     return view
+
+
+#: the lossless codec's loops (module functions, so ``_compile`` is defined above)
+_LOOPS = CompiledLoops(lambda: _compile(), "the lossless codec runs its numpy passes")

@@ -22,43 +22,22 @@ The loops release the GIL: the writer's threads run them side by side.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from inshrink_store.codecs._kernels import ENV, KERNEL_MIN, _jit
-
-_log = logging.getLogger(__name__)
-_loaded: SimpleNamespace | None = None
-_tried = False
-_lock = threading.Lock()
+from inshrink_store.codecs._kernels import CompiledLoops, _jit
 
 
 def active() -> SimpleNamespace | None:
     """The compiled loops, or None (numba missing, failing, or turned off)."""
-    global _loaded, _tried
-    if os.environ.get(ENV, "").strip().lower() == "numpy":
-        return None
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    _loaded = _compile()
-                except Exception as exc:  # numba refuses some numpy versions at import
-                    _log.info("numba unavailable (%s: %s); the quantized path runs its numpy passes",
-                              type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                    _loaded = None
-                _tried = True
-    return _loaded
+    return _LOOPS.active()
 
 
 def for_bytes(size: int) -> SimpleNamespace | None:
     """:func:`active` for an input of ``size`` bytes, None below ``KERNEL_MIN``."""
-    return active() if size >= KERNEL_MIN else None
+    return _LOOPS.for_bytes(size)
 
 
 def _compile() -> SimpleNamespace:
@@ -97,18 +76,21 @@ def _compile() -> SimpleNamespace:
         return k
 
     @jit
+    def code_of(b: Any, code: Any, last: Any, span: int, shift: int) -> Any:  # pragma: no cover - compiled
+        # one float32's sketch code (policy/sketch.py _f32_codes) from its bit pattern
+        mag = b & 0x7FFFFFFF
+        row = mag >> shift
+        c = code[row]
+        if mag > last[row]:
+            c += 1
+        if b < 0:
+            c += span
+        return c
+
+    @jit
     def sketch_codes(bits: Any, code: Any, last: Any, span: int, shift: int, out: Any) -> None:  # pragma: no cover
-        # each float32's sketch code (policy/sketch.py _f32_codes) from its bit pattern
         for i in range(bits.size):
-            b = bits[i]
-            mag = b & 0x7FFFFFFF
-            row = mag >> shift
-            c = code[row]
-            if mag > last[row]:
-                c += 1
-            if b < 0:
-                c += span
-            out[i] = c
+            out[i] = code_of(bits[i], code, last, span, shift)
 
     @jit
     def sketch_counts(bits: Any, code: Any, last: Any, span: int, shift: int, mask: Any, masked: bool,
@@ -118,15 +100,7 @@ def _compile() -> SimpleNamespace:
             if masked and not mask[i]:
                 total[0] += 1
                 continue
-            b = bits[i]
-            mag = b & 0x7FFFFFFF
-            row = mag >> shift
-            c = code[row]
-            if mag > last[row]:
-                c += 1
-            if b < 0:
-                c += span
-            total[c] += 1
+            total[code_of(bits[i], code, last, span, shift)] += 1
 
     @jit
     def code_counts(codes: Any, mask: Any, masked: bool, total: Any) -> None:  # pragma: no cover - compiled
@@ -169,3 +143,6 @@ def read_only(array: np.ndarray) -> np.ndarray:
     view = np.ascontiguousarray(array).view()
     view.flags.writeable = False
     return view
+
+
+_LOOPS = CompiledLoops(lambda: _compile(), "the quantized path runs its numpy passes")

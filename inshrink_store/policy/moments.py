@@ -459,8 +459,8 @@ def plan_moments(policy: MomentPolicy, tensors: Mapping[str, np.ndarray], dtypes
 
     # pairs side by side on the writer's threads (numpy releases the GIL); each is planned on
     # its own, and results are gathered in the pairs' order: the same plans whatever the threads.
-    # How many run at once is also bounded by memory (see _WorkingMemory)
-    memory = _WorkingMemory(sum(tensors[f"{p}/{M_KEY}"].size for p in pairs))
+    # How many run at once is also bounded by memory (see WorkingMemory)
+    memory = WorkingMemory(sum(tensors[f"{p}/{M_KEY}"].size for p in pairs))
 
     def bounded(prefix: str) -> tuple[dict[str, ArrayPlan], MomentTensorRecord]:
         with memory.hold(tensors[f"{prefix}/{M_KEY}"].size):
@@ -530,7 +530,7 @@ PAIR_BYTES_PER_ELEMENT = 64
 MOMENT_WORKING_FRACTION = 0.5
 
 
-class _WorkingMemory:
+class WorkingMemory:
     """How many moment pairs are planned at once, by the memory their guards need: each pair
     holds ``PAIR_BYTES_PER_ELEMENT`` per element while it runs, and the pairs running together
     stay within :data:`MOMENT_WORKING_FRACTION` of the moments' bytes (m and v, float32). Why:

@@ -28,7 +28,6 @@ retried commit) is planned again, to the same values.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -39,13 +38,12 @@ import numpy as np
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.moments import (
     M_KEY,
-    MOMENT_WORKING_FRACTION,
-    PAIR_BYTES_PER_ELEMENT,
     V_KEY,
     AdamHyper,
     MomentPolicy,
     MomentRecord,
     MomentTensorRecord,
+    WorkingMemory,
     adam_pairs,
 )
 from inshrink_store.policy.partition import StateQuantizer
@@ -164,28 +162,6 @@ class _Masks(Mapping[str, Any]):
         return path in self._paths
 
 
-class _Budget:
-    """Working memory of the moment pairs planned at once (as :func:`plan_moments` bounds it)."""
-
-    def __init__(self, elements: int) -> None:
-        self.limit = max(1, int(MOMENT_WORKING_FRACTION * 8 * elements))
-        self.used = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, elements: int) -> Iterator[None]:
-        need = min(self.limit, PAIR_BYTES_PER_ELEMENT * elements)
-        with self._cond:
-            self._cond.wait_for(lambda: self.used + need <= self.limit)
-            self.used += need
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.used -= need
-                self._cond.notify_all()
-
-
 PlanPair = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], Any]
 
 
@@ -217,7 +193,7 @@ class MomentStream(Mapping[str, ArrayPlan]):
         #: per pair, the paths planned with the other one and not read yet
         self._owed: dict[str, set[str]] = {}
         self._locks = {prefix: threading.Lock() for prefix in self._pairs}
-        self._budget = _Budget(sum(tensors[f"{p}/{M_KEY}"].size for p in self._pairs))
+        self._budget = WorkingMemory(sum(tensors[f"{p}/{M_KEY}"].size for p in self._pairs))
         self._owner: dict[str, str] = {}
         self._skipped: str | None = None
         if not self._pairs:  # nothing Adam-shaped: the policy's own record says why

@@ -108,12 +108,12 @@ def test_compiled_packing_gives_the_pair_lookup_bytes(kernels, n, palette, hidde
         return  # the pair path's precondition: 2 or 4 bits with a rank left for the escape
     rank_of = _planes._rank_of(table)
     packed, escapes = _planes._packed_compiled(kernels, data, bits, rank_of, table.size)
-    saved = _kernels._loaded
+    saved = _kernels._LOOPS._loaded
     try:
-        _kernels._loaded = None  # the numpy pairs, whatever the size
+        _kernels._LOOPS._loaded = None  # the numpy pairs, whatever the size
         want_packed, want_escapes = _planes._packed_by_pairs(data, bits, table)
     finally:
-        _kernels._loaded = saved
+        _kernels._LOOPS._loaded = saved
     assert packed.tobytes() == want_packed.tobytes()
     assert escapes.tobytes() == want_escapes.tobytes()
 
@@ -293,8 +293,8 @@ def test_numbas_switch_to_plain_python_turns_the_loops_off(kernels, monkeypatch)
     (numpy 2: a uint8 shifted left stays uint8) would pack wrong bytes: not used then."""
     numba = pytest.importorskip("numba")
     monkeypatch.setattr(numba.config, "DISABLE_JIT", 1)
-    monkeypatch.setattr(_kernels, "_tried", False)
-    monkeypatch.setattr(_kernels, "_loaded", None)
+    monkeypatch.setattr(_kernels._LOOPS, "_tried", False)
+    monkeypatch.setattr(_kernels._LOOPS, "_loaded", None)
     with _env(None):
         assert _kernels.active() is None
 
@@ -302,8 +302,8 @@ def test_numbas_switch_to_plain_python_turns_the_loops_off(kernels, monkeypatch)
 def test_a_loop_that_fails_to_compile_means_no_loops_not_a_failed_save(kernels, monkeypatch):
     """Every loop compiles when the loops are first asked for (a numba that imports but
     cannot compile them falls back there, not in the middle of a save)."""
-    monkeypatch.setattr(_kernels, "_tried", False)
-    monkeypatch.setattr(_kernels, "_loaded", None)
+    monkeypatch.setattr(_kernels._LOOPS, "_tried", False)
+    monkeypatch.setattr(_kernels._LOOPS, "_loaded", None)
 
     def broken(loops):
         raise TypeError("cannot determine Numba type of <class 'object'>")
@@ -332,8 +332,8 @@ def test_without_numba_the_codec_runs_its_numpy_passes_and_says_so_once(monkeypa
         chunk = np.ascontiguousarray(_large_weights("float32", MIN, 3, "normal")).view(np.uint8)
         compiled = bg.encode_chunk(chunk, "float32", 1, "zstd+huffman")
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba -> ImportError
-    monkeypatch.setattr(_kernels, "_tried", False)
-    monkeypatch.setattr(_kernels, "_loaded", None)
+    monkeypatch.setattr(_kernels._LOOPS, "_tried", False)
+    monkeypatch.setattr(_kernels._LOOPS, "_loaded", None)
     with caplog.at_level(logging.INFO, logger=_kernels.__name__):
         assert _kernels.active() is None
         assert _kernels.active() is None

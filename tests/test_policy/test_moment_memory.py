@@ -77,7 +77,7 @@ def test_unique_inverse_consuming_its_keys_gives_the_same_arrays(keys: list[int]
 
 
 def test_pairs_planned_at_once_stay_within_their_working_memory() -> None:
-    memory = moments._WorkingMemory(1000)  # limit: 0.5 * 8 bytes * 1000 = 4000 bytes
+    memory = moments.WorkingMemory(1000)  # limit: 0.5 * 8 bytes * 1000 = 4000 bytes
     assert memory.limit == 4000
     peak: list[int] = []
     lock = threading.Lock()
