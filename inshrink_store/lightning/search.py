@@ -99,11 +99,11 @@ class InshrinkSearch(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Hand the Trainer's module to the Trainer's InshrinkCheckpointIO (an InvalidInputError
         when the Trainer saves through another IO, or through one made with ``quantize=``)."""
-        from inshrink_store.lightning import InshrinkCheckpointIO
-
         io = getattr(trainer.strategy, "checkpoint_io", None)
         inner = getattr(io, "checkpoint_io", None)  # Lightning's AsyncCheckpointIO wraps the plugin
-        found = io if isinstance(io, InshrinkCheckpointIO) else inner if isinstance(inner, InshrinkCheckpointIO) else None
+        # the plugin is what takes a search (attach_search): the package imports this module, so
+        # this module does not import the package back
+        found = io if _takes_search(io) else inner if _takes_search(inner) else None
         if found is None:
             raise InvalidInputError(
                 f"Expected the Trainer to save through an InshrinkCheckpointIO with InshrinkSearch in its callbacks. "
@@ -183,3 +183,8 @@ def _weights_hash(arrays: Mapping[str, Any]) -> str:
 def _host(tensor: Any) -> Any:
     """The saved value on the CPU, where the evaluator's originals are kept (a copy only off the CPU)."""
     return tensor.detach().to("cpu")
+
+
+def _takes_search(io: Any) -> bool:
+    """``io`` is an InshrinkCheckpointIO (the one plugin with ``attach_search``)."""
+    return callable(getattr(io, "attach_search", None)) and type(io).__name__ == "InshrinkCheckpointIO"
