@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 import warnings
 from pathlib import Path
@@ -254,19 +255,34 @@ def test_saves_ride_out_a_running_gc_and_a_fence(url: str, caplog: pytest.LogCap
         ck.save(1)
     first = ck.wait()
     gc = repo.garbage_collector()
-    gc.start()  # a gc holds the store for ~1.5 s
+    gc.start()  # a gc holds the store until the save says it waits for it (no timer: a loaded
+    # machine once trained past a 1.5 s timer, and the save never met the gc)
+    save_waits = threading.Event()
+
+    class _SaysItWaits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for gc" in record.getMessage():
+                save_waits.set()
 
     def run_gc() -> None:
+        save_waits.wait(timeout=30)  # bounded: if the save never waits, the assertion below says so
         gc.mark()
         gc.sweep()
         gc.finish()
 
-    threading.Timer(1.5, run_gc).start()
-    _train(model, opt, x, y, 2, ck)
-    with caplog.at_level("WARNING", logger="inshrink_store.torch.checkpointer"):
-        ck.save(2)
-        second = ck.wait()
-    assert second.parent == first.id and "waiting for gc" in caplog.text
+    gc_thread = threading.Thread(target=run_gc)
+    gc_thread.start()
+    says_it_waits = _SaysItWaits()
+    logging.getLogger("inshrink_store.torch.checkpointer").addHandler(says_it_waits)
+    try:
+        _train(model, opt, x, y, 2, ck)
+        with caplog.at_level("WARNING", logger="inshrink_store.torch.checkpointer"):
+            ck.save(2)
+            second = ck.wait()
+    finally:
+        logging.getLogger("inshrink_store.torch.checkpointer").removeHandler(says_it_waits)
+        gc_thread.join()
+    assert second.parent == first.id and "waiting for gc" in caplog.text and save_waits.is_set()
     # a commit fenced off by a gc (it judged this process dead) is retried, not lost
     real_fence, calls = leases.fence_for_commit, []
 
