@@ -46,6 +46,11 @@ def _compile() -> SimpleNamespace:
     if getattr(numba.config, "DISABLE_JIT", False):
         raise ImportError("NUMBA_DISABLE_JIT is set: the loops would run as plain Python")
     jit = _jit
+    global _CODE_OF
+    # a module global, not a closure cell: numba keys its on-disk cache by the closure's
+    # contents, and a captured dispatcher pickles differently in every process, so the two
+    # sketch loops were compiled afresh (1 CPU-s) and a new cache file added at every start
+    _CODE_OF = jit(_code_of)
 
     @jit
     def id_stats(ids: Any, protected_id: int) -> Any:  # pragma: no cover - compiled
@@ -76,21 +81,9 @@ def _compile() -> SimpleNamespace:
         return k
 
     @jit
-    def code_of(b: Any, code: Any, last: Any, span: int, shift: int) -> Any:  # pragma: no cover - compiled
-        # one float32's sketch code (policy/sketch.py _f32_codes) from its bit pattern
-        mag = b & 0x7FFFFFFF
-        row = mag >> shift
-        c = code[row]
-        if mag > last[row]:
-            c += 1
-        if b < 0:
-            c += span
-        return c
-
-    @jit
     def sketch_codes(bits: Any, code: Any, last: Any, span: int, shift: int, out: Any) -> None:  # pragma: no cover
         for i in range(bits.size):
-            out[i] = code_of(bits[i], code, last, span, shift)
+            out[i] = _CODE_OF(bits[i], code, last, span, shift)
 
     @jit
     def sketch_counts(bits: Any, code: Any, last: Any, span: int, shift: int, mask: Any, masked: bool,
@@ -100,7 +93,7 @@ def _compile() -> SimpleNamespace:
             if masked and not mask[i]:
                 total[0] += 1
                 continue
-            total[code_of(bits[i], code, last, span, shift)] += 1
+            total[_CODE_OF(bits[i], code, last, span, shift)] += 1
 
     @jit
     def code_counts(codes: Any, mask: Any, masked: bool, total: Any) -> None:  # pragma: no cover - compiled
@@ -115,6 +108,23 @@ def _compile() -> SimpleNamespace:
                             sketch_codes=sketch_codes, sketch_counts=sketch_counts, code_counts=code_counts)
     _warm(loops)
     return loops
+
+
+def _code_of(b: Any, code: Any, last: Any, span: int, shift: int) -> Any:  # pragma: no cover - compiled
+    """One float32's sketch code (policy/sketch.py ``_f32_codes``) from its bit pattern;
+    compiled by :func:`_compile` into ``_CODE_OF``, which the sketch loops call."""
+    mag = b & 0x7FFFFFFF
+    row = mag >> shift
+    c = code[row]
+    if mag > last[row]:
+        c += 1
+    if b < 0:
+        c += span
+    return c
+
+
+#: :func:`_code_of` compiled (set by :func:`_compile`; the sketch loops read it as a global)
+_CODE_OF: Any = None
 
 
 def _warm(loops: SimpleNamespace) -> None:

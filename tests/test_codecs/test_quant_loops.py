@@ -127,3 +127,24 @@ def test_sketches_are_the_same_with_and_without_the_loops(case: tuple[int, str, 
 def _fields(sketch: LogSketch) -> tuple[object, ...]:
     return (sketch.alpha, sketch.pos_keys.tolist(), sketch.pos_counts.tolist(), sketch.neg_keys.tolist(),
             sketch.neg_counts.tolist(), sketch.zero_count, sketch.nonfinite_count)
+
+
+def test_a_second_process_loads_every_loop_from_numbas_cache() -> None:
+    """Regression: the sketch loops called a compiled helper held in a closure cell, which numba
+    keys its cache by and which pickles differently in every process, so both were compiled
+    afresh at every start (~0.3 CPU-s of each save's process) and a new file joined the cache
+    beside the package each time. With a writable cache, a second start saves nothing."""
+    import subprocess
+    import sys
+
+    code = ("from inshrink_store.codecs import _kernels, _quant_loops\n"
+            "assert _quant_loops.active() is not None and _kernels.active() is not None")
+    env = {**os.environ, "NUMBA_DEBUG_CACHE": "1"}
+    env.pop(_kernels.ENV, None)
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                           timeout=300) for _ in range(2)]
+    if "[cache] index loaded" not in runs[1].stdout + runs[1].stderr:
+        pytest.skip("numba found no writable place for its cache here: nothing to load")
+    saved = [line for line in (runs[1].stdout + runs[1].stderr).splitlines()
+             if ("_quant_loops" in line or "_kernels" in line) and "saved" in line]
+    assert not saved, f"a second process compiled loops again: {saved}"
