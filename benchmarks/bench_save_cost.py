@@ -23,6 +23,11 @@ Targets (issue 42): compressed first save <= 10x torch.save+fsync, later saves <
     python -m benchmarks save_cost                       # 3 rounds (several minutes on 2 cores)
     python -m benchmarks save_cost --out benchmarks/recorded/save_cost.md
     python -m benchmarks save_cost --quick               # a tiny MLP, to check the harness
+    python -m benchmarks save_cost --stages              # and where a first and a later save spend CPU
+
+``--stages`` adds one more first save and later save of the same state, each library stage
+wrapped in a timer of its thread's CPU (``bench_stages.timed``): where the compressed rows'
+time goes, the profile behind a missed target.
 """
 
 from __future__ import annotations
@@ -108,7 +113,71 @@ def _checkpoint(ck: Any, step: int) -> tuple[float, float]:
     return blocked, time.perf_counter() - start
 
 
-def run(quick: bool = False, rounds: int | None = None, steps: int = 5) -> dict[str, Any]:
+def _stage_list() -> list[tuple[str, str, list[tuple[Any, str]], str]]:
+    """The Checkpointer's stages, in ``bench_stages.timed``'s form: (stage, where, patched
+    places, the stage it is part of). Imported late: the library loads with the benchmark."""
+    from inshrink_store import cas, manifest, residual
+    from inshrink_store.codecs import bytegroup, nuq, vdelta
+    from inshrink_store.policy import moments, partition
+    from inshrink_store.storage import local
+
+    return [
+        ("Adam moments: quantize, guard", "policy/moments.py `plan_moments`", [(moments, "plan_moments")], ""),
+        ("weights: sketches", "policy/partition.py `PartitionCache.sketch`",
+         [(partition.PartitionCache, "sketch")], ""),
+        ("weights: plan (codebook, snap, errors)", "policy/partition.py `quantize_tensor`",
+         [(partition, "quantize_tensor")], ""),
+        ("NUQ encode (ids + protected values)", "codecs/nuq.py `Quantizer.encode_array`",
+         [(nuq.Quantizer, "encode_array")], ""),
+        ("delta against the parent's ids", "codecs/vdelta.py `VDelta.encode`", [(vdelta.VDelta, "encode")], ""),
+        ("restore residual (exact resume)", "residual.py `ResidualWriter.add`",
+         [(residual.ResidualWriter, "add")], ""),
+        ("lossless byte planes + zstd", "codecs/bytegroup.py `ByteGroup.encode`",
+         [(bytegroup.ByteGroup, "encode")], ""),
+        ("entropy coding (zstd of payloads)", "cas.py `ObjectStore._encode`", [(cas.ObjectStore, "_encode")], ""),
+        ("hashing (content ids)", "manifest.py `content_id`", [(manifest, "content_id"), (cas, "content_id")], ""),
+        ("write (fsynced files)", "storage/local.py `LocalStorage._write`", [(local.LocalStorage, "_write")], ""),
+    ]
+
+
+def stage_profile(model: Any, opt: Any, batch: tuple[Any, Any], folder: str, steps: int = 5) -> dict[str, Any]:
+    """CPU per stage of a first save and a later save by one compressed Checkpointer, with
+    the process's CPU over each (from ``save`` until ``wait`` returns)."""
+    import inshrink_store as ins
+    from benchmarks.bench_stages import timed
+    from inshrink_store.torch import Checkpointer
+
+    stages = _stage_list()
+    out: dict[str, Any] = {"stages": [(name, where) for name, where, _p, _n in stages]}
+    with Checkpointer(ins.open(os.path.join(folder, "stages"), create=True), model, opt) as ck:
+        for label in ("first", "later"):
+            _train(model, opt, batch, steps, [ck])
+            with timed(stages) as spent:
+                cpu, wall = time.process_time(), time.perf_counter()
+                ck.save(len(out))
+                ck.wait()
+                out[label] = {"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall,
+                              "spent": dict(spent)}
+    return out
+
+
+def stages_markdown(profile: dict[str, Any]) -> str:
+    """The stage table: each stage's CPU seconds and share, first save and later save."""
+    first, later = profile["first"], profile["later"]
+    lines = ["", "Where the compressed saves spend CPU (`--stages`: one more first and later save of the same "
+             "state, each library stage timed by its thread's CPU; a stage nested in another is counted "
+             "in both, so shares may add up past 100 %):", "",
+             "| stage | where | first save CPU s | share | later save CPU s | share |", "|---|---|---|---|---|---|"]
+    for name, where in profile["stages"]:
+        a, b = first["spent"].get(name, 0.0), later["spent"].get(name, 0.0)
+        lines.append(f"| {name} | {where} | {a:.2f} | {a / first['cpu']:.0%} | {b:.2f} | {b / later['cpu']:.0%} |")
+    lines.append(f"| the whole save (process CPU, every thread) | | {first['cpu']:.2f} | 100% | "
+                 f"{later['cpu']:.2f} | 100% |")
+    lines.append(f"| wall clock | | {first['wall']:.2f} | | {later['wall']:.2f} | |")
+    return "\n".join(lines) + "\n"
+
+
+def run(quick: bool = False, rounds: int | None = None, steps: int = 5, stages: bool = False) -> dict[str, Any]:
     import torch
 
     import inshrink_store as ins
@@ -144,9 +213,11 @@ def run(quick: bool = False, rounds: int | None = None, steps: int = 5) -> dict[
         later.close()
         stored = ins.open(os.path.join(tmp, "later")).du()[0]
         ratio = stored.logical_bytes / max(1, stored.new_stored_bytes - stored.residual_bytes)
+        profile = stage_profile(model, opt, batch, tmp, steps) if stages else None
     load = max(load, machine_info.load_average())
     return {"quick": quick, "rounds": rounds, "params": params, "state_bytes": 3 * 4 * params, "load": load,
-            "seconds": seconds, "blocked": blocked, "later_ratio": ratio, "machine": machine_info.describe()}
+            "seconds": seconds, "blocked": blocked, "later_ratio": ratio, "machine": machine_info.describe(),
+            "stages": profile}
 
 
 def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -164,7 +235,8 @@ def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     rows = summary(result)
-    command = "python -m benchmarks save_cost" + (" --quick" if result["quick"] else "")
+    command = "python -m benchmarks save_cost" + (" --quick" if result["quick"] else "") \
+        + (" --stages" if result.get("stages") else "")
     copy_s = rows["plain copy"]["seconds"]
     limit = 2 * copy_s + 0.05
     lines = [
@@ -189,7 +261,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {row} | {r['seconds']:.2f} | {r['ratio']:.1f}x | {blocked} | {target} |")
     lines += ["", f"The later saves' version stores the state {result['later_ratio']:.1f}x smaller than its "
               "logical bytes (weights and moments; restore residual left out)."]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if result.get("stages"):
+        text += stages_markdown(result["stages"])
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny MLP and 2 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 2 with --quick)")
     parser.add_argument("--out", type=Path, default=None, help="also write the section to this file")
+    parser.add_argument("--stages", action="store_true",
+                        help="also profile one first and one later compressed save stage by stage")
     args = parser.parse_args(argv)
-    text = to_markdown(run(args.quick, args.rounds))
+    text = to_markdown(run(args.quick, args.rounds, stages=args.stages))
     print(text)
     if args.out is not None:
         args.out.write_text(text)

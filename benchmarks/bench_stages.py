@@ -67,8 +67,9 @@ LOAD_STAGES: list[tuple[str, str, list[tuple[Any, str]], str]] = [
 
 
 @contextlib.contextmanager
-def _timed(stages: list[tuple[str, str, list[tuple[Any, str]], str]]) -> Iterator[Counter[str]]:
-    """Wrap each stage's function with a thread-CPU timer for the duration of the block."""
+def timed(stages: list[tuple[str, str, list[tuple[Any, str]], str]]) -> Iterator[Counter[str]]:
+    """Wrap each stage's function with a thread-CPU timer for the duration of the block
+    (``bench_save_cost --stages`` times the Checkpointer's stages with it too)."""
     spent: Counter[str] = Counter()
     lock = threading.Lock()
     active = threading.local()
@@ -76,7 +77,7 @@ def _timed(stages: list[tuple[str, str, list[tuple[Any, str]], str]]) -> Iterato
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(active, name, 0)
             setattr(active, name, depth + 1)
             start = time.thread_time()
@@ -87,7 +88,7 @@ def _timed(stages: list[tuple[str, str, list[tuple[Any, str]], str]]) -> Iterato
                 if depth == 0:  # recursion (k-means restarts, delta chains) counted once
                     with lock:
                         spent[name] += time.thread_time() - start
-        return timed
+        return wrapped
 
     for name, _where, places, _note in stages:
         for owner, attr in places:
@@ -116,13 +117,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         for attempt in range(REPEAT):  # the run with the least CPU of each: the machine is shared
             store = os.path.join(tmp, f"store-{attempt}")
             repo = ins.open(store, create=True)
-            with _timed(SAVE_STAGES) as save_spent:
+            with timed(SAVE_STAGES) as save_spent:
                 wall, cpu = time.perf_counter(), time.process_time()
                 repo.save(weights, quantize=CONFIG, message="bench")
                 saves.append(((time.perf_counter() - wall, time.process_time() - cpu), dict(save_spent)))
             ins.index.CACHE.clear()
             fresh = ins.open(store)
-            with _timed(LOAD_STAGES) as load_spent:
+            with timed(LOAD_STAGES) as load_spent:
                 wall, cpu = time.perf_counter(), time.process_time()
                 loaded = fresh.load()
                 loads.append(((time.perf_counter() - wall, time.process_time() - cpu), dict(load_spent)))

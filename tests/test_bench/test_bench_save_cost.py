@@ -33,3 +33,20 @@ def test_the_quick_form_measures_every_row(tmp_path, capsys):
     for row in ("Checkpointer lossless", "compressed, first save", "compressed, later saves"):
         assert f"| {row} |" in text
     assert "<= 10x" in text and "<= 3x" in text and "<= 1.5x" in text and "blocked <=" in text
+
+
+def test_stages_profile_a_first_and_a_later_save(tmp_path):
+    bench = _bench()
+    result = bench.run(quick=True, rounds=1, steps=1, stages=True)
+    profile = result["stages"]
+    names = [name for name, _where in profile["stages"]]
+    for label in ("first", "later"):
+        save = profile[label]
+        assert save["cpu"] > 0 and save["wall"] > 0, label
+        assert set(save["spent"]) <= set(names), label
+        # the state's moments are compressed and its weights planned on every save
+        assert save["spent"]["Adam moments: quantize, guard"] > 0, label
+        assert save["spent"]["write (fsynced files)"] > 0, label
+    assert profile["later"]["spent"].get("delta against the parent's ids", 0) > 0  # a later save deltas
+    text = bench.to_markdown(result)
+    assert "--stages" in text and "| Adam moments: quantize, guard |" in text
