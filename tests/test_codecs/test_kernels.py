@@ -10,12 +10,10 @@ and the size gate are tested either way.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from inshrink_store.codecs import _kernels, _planes
 from inshrink_store.codecs import bytegroup as bg
 from inshrink_store.errors import FormatError
 from inshrink_store.testing import float_arrays
+from tests.test_codecs.kernel_switch import kernels_env
 
 MIN = _kernels.KERNEL_MIN
 
@@ -40,22 +39,11 @@ def kernels():
     return loaded
 
 
-@contextmanager
-def _env(value: str | None) -> Iterator[None]:
-    """``INSHRINK_KERNELS`` set to ``value`` (None: unset) inside the block."""
-    before = os.environ.pop(_kernels.ENV, None)
-    if value is not None:
-        os.environ[_kernels.ENV] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(_kernels.ENV, None)
-        if before is not None:
-            os.environ[_kernels.ENV] = before
-
-
 def _numpy() -> AbstractContextManager[None]:
     return _env("numpy")
+
+
+_env = kernels_env
 
 
 def _skewed(rng: np.random.Generator, n: int, palette: int) -> np.ndarray:

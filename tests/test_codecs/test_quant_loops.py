@@ -10,8 +10,7 @@ case runs the public function twice on the same input, once with the loops and o
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
@@ -23,22 +22,14 @@ from inshrink_store.codecs import _kernels, _payload, _quant_loops
 from inshrink_store.codecs.nuq import quantizer
 from inshrink_store.errors import FormatError
 from inshrink_store.policy.sketch import KeyedValues, LogSketch
+from tests.test_codecs.kernel_switch import kernels_env
 
 #: elements enough for every loop's gate (float32 values, one-byte ids)
 N = _kernels.KERNEL_MIN + 4099
 
 
-@contextmanager
-def _numpy(on: bool) -> Iterator[None]:
-    before = os.environ.pop(_kernels.ENV, None)
-    if on:
-        os.environ[_kernels.ENV] = "numpy"
-    try:
-        yield
-    finally:
-        os.environ.pop(_kernels.ENV, None)
-        if before is not None:
-            os.environ[_kernels.ENV] = before
+def _numpy(on: bool) -> AbstractContextManager[None]:
+    return kernels_env("numpy" if on else None)
 
 
 @pytest.fixture(scope="module", autouse=True)
