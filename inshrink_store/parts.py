@@ -7,10 +7,12 @@ du) and the write session take the parts they need, typed, instead of a whole re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import MutableMapping
+from dataclasses import dataclass, replace
 
 from inshrink_store.cas import ObjectStore
 from inshrink_store.errors import InvalidInputError, NotFoundError
+from inshrink_store.gc_scope import BranchScope, Keep, Trim
 from inshrink_store.history import History, SnapshotInfo
 from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, maybe_name, parse_expression
@@ -30,6 +32,12 @@ class StoreParts:
     @property
     def url(self) -> str:
         return self.storage.url
+
+    def branch_scope(self, branch: str, *, keep: Keep | None = None, trim: Trim | None = None,
+                     memo: MutableMapping[str, tuple[bool, str | None]] | None = None) -> StoreParts:
+        """These parts for a gc that trims ``branch`` alone (:class:`~inshrink_store.gc_scope.BranchScope`
+        as the refs): what ``Repository.gc(branch=...)`` hands the gc."""
+        return replace(self, refs=BranchScope(self.storage, self.history, branch, keep=keep, trim=trim, memo=memo))
 
     def resolve(self, ref: str) -> str:
         """Branch, tag, snapshot id or unique id prefix, with ``~N`` / ``^`` suffixes."""

@@ -210,6 +210,13 @@ class SnapshotReader:
             return False
         return True
 
+    def read_region(self, name: str, region: tuple[slice, ...]) -> np.ndarray:
+        """``self[name][region]`` as numpy: a part of one tensor, read from the chunks it
+        overlaps only (a DCP rank reads its shard of a stored tensor); zarr's errors become
+        the IntegrityError every read raises."""
+        array = self[name]
+        return np.asarray(self._zarr(f"tensor {name!r}", lambda: array[region]))
+
     def read(self, name: str, *, writable: bool = True) -> np.ndarray:
         """The stored array (BF16 as uint16 bit patterns), decoded in full. ``writable=False``
         allows a read-only array (no copy of a one-chunk tensor's decoded bytes: for readers

@@ -34,7 +34,7 @@ from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit
 from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
 from inshrink_store.plans import Planner, Quantize, check_quantize
 from inshrink_store.reader import SnapshotReader
-from inshrink_store.refs import Refs, check_name
+from inshrink_store.refs import Refs, check_name, replaced_branch_name
 from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
 from inshrink_store.session import ANY_HEAD, AnyHead, WriteSession, open_session
 from inshrink_store.storage import Storage, open_storage
@@ -137,6 +137,8 @@ class Repository:
         self._settings = settings
         self._parts = StoreParts(storage, ObjectStore(storage, keyframe_interval=interval),
                                  Refs(storage), History(storage))
+        #: per ``keep`` of a scoped gc: snapshot id -> (kept, parent), asked once per version
+        self._kept: dict[Callable[[SnapshotInfo], bool], dict[str, tuple[bool, str | None]]] = {}
 
     @property
     def url(self) -> str:
@@ -159,6 +161,11 @@ class Repository:
 
     def __repr__(self) -> str:
         return f"Repository({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without a scoped gc's memo: it is keyed by the caller's ``keep`` functions
+        (a lambda does not pickle), and a copy asks ``keep`` again."""
+        return {**self.__dict__, "_kept": {}}
 
     # -- refs ------------------------------------------------------------------------
     def branches(self) -> dict[str, str]:
@@ -194,6 +201,12 @@ class Repository:
         """Remove a branch; returns its head id. Its versions go at the next gc unless a ref
         keeps them."""
         return self._parts.refs.delete_branch(name)
+
+    def head(self, branch: str = DEFAULT_BRANCH) -> str | None:
+        """The snapshot id of ``branch``'s head, or None for a branch with no commit (reads only
+        that branch's ref files; :meth:`resolve` would also try tags and ids)."""
+        found = self._parts.refs.head(branch)
+        return None if found is None else found[1]
 
     def resolve(self, ref: str) -> str:
         """Branch, tag, snapshot id or unique id prefix, with ``~N`` / ``^`` suffixes -> id."""
@@ -234,6 +247,12 @@ class Repository:
             if missing_ok:
                 return None
             raise
+
+    def codebooks(self, ref: str = DEFAULT_BRANCH) -> dict[str, dict[str, Any]]:
+        """Path -> {"codec": nuq configuration, "attributes": inshrink attrs} of the quantized
+        arrays of one version: the codebooks a planner may reuse for the next (read from the
+        version's shared index, so its trees are read once)."""
+        return self.checkout(ref).view.index.quantization_codecs()
 
     def snapshot_store(self, ref: str = DEFAULT_BRANCH) -> InshrinkStore:
         """A read-only zarr Store of one version: ``zarr.open_group(store=...)`` just works."""
@@ -330,18 +349,34 @@ class Repository:
         return admin.verify(self._parts, progress=progress)
 
     def gc(
-        self, keep_last: int | None = None, *, dry_run: bool = False, progress: Progress | None = None,
+        self, keep_last: int | None = None, *, branch: str | None = None,
+        keep: Callable[[SnapshotInfo], bool] | None = None, trim: Callable[[str], bool] | None = None, dry_run: bool = False, progress: Progress | None = None,
         stale_after: float = leases.STALE_AFTER, wait: float = 0.0,
         on_wait: Callable[[str], None] | None = None,
     ) -> admin.GcReport:
         """Delete what no kept version reaches (delta bases of kept objects are kept).
+
+        ``keep_last`` N keeps the N newest versions of every branch (every version without it).
+        ``branch`` trims that branch alone: every other branch keeps its whole history, except
+        those ``trim(name)`` names, which are trimmed like it; ``keep(info)`` keeps a version of
+        ``branch`` whatever N says (asked once per version and remembered: it must depend on
+        the version alone, e.g. its metadata). Tags keep their versions in every case.
 
         Safe beside any number of writers and gc runs. Refuses with ``ConflictError``
         (nothing deleted) while a commit is in progress, after waiting up to ``wait``
         seconds; a writer whose process is gone, or whose lease went unrenewed for
         ``stale_after`` seconds, is fenced off (it can no longer publish) and ignored.
         Refs naming missing snapshots are reported in ``GcReport.dangling``."""
-        return admin.gc(self._parts, keep_last=keep_last, dry_run=dry_run, progress=progress,
+        parts = self._parts
+        if branch is not None:
+            check_name(branch, "branch")
+            memo = None if keep is None else self._kept.setdefault(keep, {})
+            parts = parts.branch_scope(branch, keep=keep, trim=trim, memo=memo)
+        elif keep is not None or trim is not None:
+            raise InvalidInputError(
+                "Expected keep= and trim= with branch=, the branch they scope. Got them without one instead; "
+                "e.g. repo.gc(1, branch='main', keep=lambda info: info.step is None).")
+        return admin.gc(parts, keep_last=keep_last, dry_run=dry_run, progress=progress,
                         stale_after=stale_after, wait=wait, on_wait=on_wait)
 
     def gc_residuals(self, *, dry_run: bool = False, stale_after: float = leases.STALE_AFTER, wait: float = 0.0,
@@ -395,4 +430,7 @@ def _read_settings(storage: Storage) -> dict[str, Any]:
     return settings
 
 
-__all__ = ["ANY_HEAD", "GC_WAIT", "Planner", "Repository", "SaveOptions", "SnapshotInfo", "Transaction", "WriteSession", "init", "open"]
+__all__ = [
+    "ANY_HEAD", "GC_WAIT", "MAX_KEEP_NEWEST", "AnyHead", "Planner", "Repository", "SaveOptions", "SnapshotInfo",
+    "Transaction", "WriteSession", "check_commit_fields", "check_name", "init", "open", "replaced_branch_name",
+]

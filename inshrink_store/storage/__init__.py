@@ -44,6 +44,7 @@ __all__ = [
     "ObjectStorage",
     "Storage",
     "open_storage",
+    "protocol_of",
     "require_supported",
 ]
 
