@@ -3,20 +3,29 @@ Layer: refs, history and policy (the policy imports neither sibling), below ``pa
 
 numpy only here (a CuPy path plugs in below the same functions through their ``xp``
 argument); this layer decides *what* to store, the repository below decides *how*.
+
+This package is the policy's one entry for the integrations (issue 45's second door): they
+import what a save's decision needs from here, never from its modules (an import-linter
+contract forbids them), so the modules can move without the clients knowing.
 """
 
 from inshrink_store.policy.allocation import Allocation, AllocationDecision, AllocationPlanner
+from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget
 from inshrink_store.policy.candidates import CandidatePlanner, Candidates
+from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.config import (
     BINS,
     DEFAULT_CONFIG,
     EMBEDDING_BINS,
+    MAX_LEVELS,
     METRICS,
     PROTECT,
     PRUNE,
     QuantConfig,
 )
 from inshrink_store.policy.kmeans import fit_codebook, weighted_kmeans
+from inshrink_store.policy.moment_loop import with_moment_bases
+from inshrink_store.policy.moments import DEFAULT_MOMENTS, AdamHyper, MomentPolicy, MomentRecord
 from inshrink_store.policy.partition import (
     LAYER_TYPES,
     QuantizedTensor,
@@ -32,8 +41,19 @@ from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator
 from inshrink_store.policy.record import QuantizationRecord
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
-from inshrink_store.policy.search_policy import Decision, SearchPolicy
+from inshrink_store.policy.search_policy import Decision, PolicyArgs, SearchPolicy
+from inshrink_store.policy.sensitivity import weights_from_fisher
 from inshrink_store.policy.settings import QuantSettings
+from inshrink_store.policy.shard_quant import (
+    ShardQuantization,
+    ShardTarget,
+    decide_shards,
+    merge_sketches,
+    shard_plan,
+    shard_targets,
+    sketch_from_json,
+    sketch_to_json,
+)
 from inshrink_store.policy.sketch import LogSketch
 
 __all__ = [
@@ -42,4 +62,10 @@ __all__ = [
     "QuantizedTensor", "RatioEstimator", "SearchPoint", "SearchPolicy", "SearchResult", "SearchSpace",
     "StatePlanner", "TensorInput", "fit_codebook", "is_quantizable", "layer_type", "prune_thresholds",
     "quantize_state", "quantize_tensor", "weighted_kmeans",
+    # what a save's decision needs beside the search (the Checkpointer's closed loop, moments, budget)
+    "MAX_LEVELS", "AdamHyper", "ClosedLoop", "DEFAULT_MOMENTS", "MomentPolicy", "MomentRecord", "PolicyArgs",
+    "QualityPredictor", "SaveBudget", "parent_bases", "weights_from_fisher", "with_moment_bases",
+    # a distributed save's decision: one codebook per tensor from the ranks' merged sketches
+    "ShardQuantization", "ShardTarget", "decide_shards", "merge_sketches", "shard_plan", "shard_targets",
+    "sketch_from_json", "sketch_to_json",
 ]

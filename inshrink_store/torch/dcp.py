@@ -17,7 +17,7 @@ How a save runs, in DCP's order:
 2. ``write_data`` (every rank): with ``quantize``, each rank sketches its shards of the
    tensors to quantize and the sketches are gathered over the process group (JSON in uint8
    tensors, :mod:`~inshrink_store.torch.dcp_comm`), so every shard of a tensor gets one
-   codebook and one set of thresholds (:mod:`~inshrink_store.torch.dcp_quant`). Then each
+   codebook and one set of thresholds (:mod:`~inshrink_store.policy.shard_quant`). Then each
    rank writes its shards as zarr arrays: chunk objects straight into the store
    (write-once, content-addressed: ranks need no coordination), unchanged lossless shards
    adopted from the parent without encoding. What the coordinator needs to commit, each
@@ -37,7 +37,7 @@ Nothing is pickled into the store, and reading never unpickles: see ``dcp_format
 
 This module is the entry point; the code is in :mod:`~inshrink_store.torch.dcp_writer` (the
 writer, the coordinator's commit), :mod:`~inshrink_store.torch.dcp_rank` (a rank's part of a
-save), :mod:`~inshrink_store.torch.dcp_shards` (where a rank writes its arrays) and
+save), :mod:`~inshrink_store.rank_writer` (where a rank writes its arrays) and
 :mod:`~inshrink_store.torch.dcp_reader` (the reader, the document read back).
 """
 

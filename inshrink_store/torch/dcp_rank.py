@@ -7,8 +7,8 @@ which tensors and their previous codebooks), and the rank's write (:class:`RankW
 With quantization, each rank sketches its shards of the tensors to quantize and the sketches
 are gathered over the process group (JSON in uint8 tensors,
 :mod:`~inshrink_store.torch.dcp_comm`), so every shard of a tensor gets one codebook and one
-set of thresholds (:mod:`~inshrink_store.torch.dcp_quant`). Then the rank writes its shards
-as arrays (:mod:`~inshrink_store.torch.dcp_shards`), in batches of about
+set of thresholds (:mod:`~inshrink_store.policy.shard_quant`). Then the rank writes its shards
+as arrays (:mod:`~inshrink_store.rank_writer`), in batches of about
 :data:`WRITE_BATCH_BYTES`, and returns DCP's ``WriteResult``\\ s holding each array's zarr.json
 and chunk ids as JSON-native data.
 """
@@ -27,12 +27,21 @@ from torch.distributed.checkpoint.storage import WriteResult
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.errors import InvalidInputError
 from inshrink_store.plans import ArrayPlan
-from inshrink_store.policy import LogSketch, QuantConfig
-from inshrink_store.policy.planner import array_plan
-from inshrink_store.torch import dcp_quant
+from inshrink_store.policy import (
+    LogSketch,
+    QuantConfig,
+    ShardQuantization,
+    ShardTarget,
+    decide_shards,
+    merge_sketches,
+    shard_plan,
+    shard_targets,
+    sketch_from_json,
+    sketch_to_json,
+)
+from inshrink_store.rank_writer import RankArrays
 from inshrink_store.torch.dcp_comm import gather_json
 from inshrink_store.torch.dcp_format import bytes_path, plain_value, shard_path
-from inshrink_store.torch.dcp_shards import RankArrays
 from inshrink_store.torch.tensors import TORCH_DTYPES, infer_module_kinds, tensor_to_array, torch
 
 __all__ = ["WRITE_BATCH_BYTES", "RankSetup", "RankWrite", "quantize_targets"]
@@ -48,7 +57,7 @@ class RankSetup:
     parent: str | None
     world: int
     quantize: QuantConfig | None
-    targets: Mapping[str, dcp_quant.Target] | None
+    targets: Mapping[str, ShardTarget] | None
 
     def to_dict(self) -> dict[str, Any]:
         return {"parent": self.parent, "world": self.world,
@@ -64,31 +73,30 @@ class RankSetup:
                 f"{data!r:.80} instead: pass the same kind of storage_writer on every rank.")
         quantize = None if data["quantize"] is None else QuantConfig.from_dict(data["quantize"])
         targets = None if data["targets"] is None else {
-            f: dcp_quant.Target.from_dict(t) for f, t in data["targets"].items()}
+            f: ShardTarget.from_dict(t) for f, t in data["targets"].items()}
         return cls(data["parent"], int(data["world"]), quantize, targets)
 
 
 def quantize_targets(plans: Sequence[SavePlan], config: QuantConfig,
-                     codebooks: Mapping[str, tuple[float, ...]]) -> dict[str, dcp_quant.Target]:
+                     codebooks: Mapping[str, tuple[float, ...]]) -> dict[str, ShardTarget]:
     """The tensors to quantize, as the global plan shows them, with their previous codebooks."""
     tensors = {item.index.fqn: (TORCH_DTYPES[item.tensor_data.properties.dtype], tuple(item.tensor_data.size))
                for plan in plans for item in plan.items if item.tensor_data is not None}
     kinds = infer_module_kinds({fqn: np.empty((0,) * len(size)) for fqn, (_, size) in tensors.items()})
-    return dcp_quant.targets(tensors, config, codebooks, kinds)
+    return shard_targets(tensors, config, codebooks, kinds)
 
 
 class _ShardPlans(Mapping[str, ArrayPlan]):
     """Quantized shards' plans, made when the writer asks (one shard in memory at a time)."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str],
-                 decisions: Mapping[str, dcp_quant.TensorQuantization], config: QuantConfig) -> None:
+                 decisions: Mapping[str, ShardQuantization], config: QuantConfig) -> None:
         self._arrays, self._dtypes, self._decisions, self._config = arrays, dtypes, decisions, config
 
     def __getitem__(self, path: str) -> ArrayPlan:
         q, dtype = self._decisions[path], self._dtypes[path]
         values = dtype_registry.get(dtype).to_float32(self._arrays[path])
-        return array_plan(dcp_quant.quantize_shard(values, q, dtype, self._config), dtype,
-                          self._config.protected_dtype)
+        return shard_plan(values, q, dtype, self._config)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._decisions)
@@ -127,7 +135,7 @@ class RankWrite:
     def _array(self, item: WriteItem) -> tuple[np.ndarray, str]:
         return tensor_to_array(self.planner.resolve_data(item), item.index.fqn, copy=False)
 
-    def _decisions(self, tensors: Sequence[WriteItem]) -> dict[str, dcp_quant.TensorQuantization]:
+    def _decisions(self, tensors: Sequence[WriteItem]) -> dict[str, ShardQuantization]:
         """With quantization on: sketch this rank's shards, gather every rank's sketches, and
         decide each tensor this rank holds. Every rank takes part, holding shards or not."""
         setup = self.setup
@@ -143,18 +151,18 @@ class RankWrite:
                 local = LogSketch.from_values(dtype_registry.get(name).to_float32(array))
                 fqn = item.index.fqn
                 sketches[fqn] = sketches[fqn].merge(local) if fqn in sketches else local
-            return {fqn: dcp_quant.sketch_to_json(s) for fqn, s in sorted(sketches.items())}
+            return {fqn: sketch_to_json(s) for fqn, s in sorted(sketches.items())}
 
         gathered = gather_json("sketch its shards of the tensors to quantize", sketch, self.process_group)
         if len(gathered) != setup.world:
             raise InvalidInputError(
                 f"Expected the quantization exchange to reach the {setup.world} ranks of dcp.save. Got "
                 f"{len(gathered)} instead: pass dcp.save's process_group to InshrinkStorageWriter(process_group=...).")
-        merged = dcp_quant.merge_sketches(
-            {f: dcp_quant.sketch_from_json(s) for f, s in ranks.items()} for ranks in gathered)
-        return dcp_quant.decide(targets, merged, setup.quantize, {item.index.fqn for item in mine})
+        merged = merge_sketches(
+            {f: sketch_from_json(s) for f, s in ranks.items()} for ranks in gathered)
+        return decide_shards(targets, merged, setup.quantize, {item.index.fqn for item in mine})
 
-    def _write_tensors(self, items: Sequence[WriteItem], decisions: Mapping[str, dcp_quant.TensorQuantization]) -> None:
+    def _write_tensors(self, items: Sequence[WriteItem], decisions: Mapping[str, ShardQuantization]) -> None:
         arrays, dtypes, by_path = {}, {}, {}
         for item in items:
             path = shard_path(item.index.fqn, _offsets(item))

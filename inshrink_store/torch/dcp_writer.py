@@ -31,14 +31,19 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from inshrink_store import repository
 from inshrink_store.errors import ConflictError, InshrinkError, IntegrityError, InvalidInputError
-from inshrink_store.manifest import check_commit_fields
 from inshrink_store.policy import QuantConfig
-from inshrink_store.refs import check_name
-from inshrink_store.repository import GC_WAIT, Repository, SnapshotInfo, WriteSession
+from inshrink_store.rank_writer import ShardStore
+from inshrink_store.repository import (
+    GC_WAIT,
+    Repository,
+    SnapshotInfo,
+    WriteSession,
+    check_commit_fields,
+    check_name,
+)
 from inshrink_store.torch.dcp_format import DOC_ATTR, Chunk, DcpDocument, TensorEntry, ValueEntry
 from inshrink_store.torch.dcp_rank import RankSetup, RankWrite, quantize_targets
 from inshrink_store.torch.dcp_reader import CheckpointIdIsTheUrl, checkpoint_url, previous_codebooks
-from inshrink_store.torch.dcp_shards import ShardStore
 from inshrink_store.torch.tensors import TORCH_DTYPES, torch
 
 __all__ = ["InshrinkStorageWriter"]
@@ -167,7 +172,8 @@ class InshrinkStorageWriter(CheckpointIdIsTheUrl, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         setup = RankSetup.from_plan(plan)
-        arrays = self._shard_store().arrays(self._open(), setup.parent)
+        parent = None if setup.parent is None else self._open().snapshot(setup.parent)
+        arrays = self._shard_store().arrays(parent)
         results = RankWrite(arrays, setup, planner, self.process_group).run(plan.items)
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)

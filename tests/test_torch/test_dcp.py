@@ -33,14 +33,17 @@ from torch.distributed.checkpoint.planner import SavePlan  # noqa: E402
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError  # noqa: E402
-from inshrink_store.policy import QuantConfig, SearchPolicy  # noqa: E402
+from inshrink_store.policy import (  # noqa: E402
+    QuantConfig,
+    SearchPolicy,
+    shard_quant,  # noqa: E402
+)
 from inshrink_store.policy.search import SearchSpace  # noqa: E402
 from inshrink_store.policy.sketch import LogSketch  # noqa: E402
 from inshrink_store.torch import (  # noqa: E402
     DistributedCheckpointer,
     InshrinkStorageReader,
     InshrinkStorageWriter,
-    dcp_quant,  # noqa: E402
 )
 from inshrink_store.torch.dcp_format import DOC_ATTR, fqn_component, plain_value, shard_path  # noqa: E402
 
@@ -468,13 +471,13 @@ def test_merged_shard_sketches_decide_exactly_as_the_whole_tensor() -> None:
     whole = {"model.a": rng.standard_normal((64, 64)).astype(np.float32),
              "model.b": rng.standard_normal((32, 128)).astype(np.float32) * 3}
     config = QuantConfig(bins=8, prune=0.2, protect=0.01, min_numel=100)
-    chosen = dcp_quant.targets({f: ("F32", a.shape) for f, a in whole.items()}, config)
-    at_once = dcp_quant.decide(chosen, {f: LogSketch.from_values(a) for f, a in whole.items()}, config, chosen)
+    chosen = shard_quant.shard_targets({f: ("F32", a.shape) for f, a in whole.items()}, config)
+    at_once = shard_quant.decide_shards(chosen, {f: LogSketch.from_values(a) for f, a in whole.items()}, config, chosen)
     ranks = [{f: LogSketch.from_values(a[i::3]) for f, a in whole.items()} for i in range(3)]
     for order in (ranks, ranks[::-1]):
-        shards = [{f: dcp_quant.sketch_from_json(dcp_quant.sketch_to_json(s)) for f, s in r.items()} for r in order]
-        assert dcp_quant.decide(chosen, dcp_quant.merge_sketches(shards), config, chosen) == at_once
-    stats = [dcp_quant.quantize_shard(a, at_once[f], "F32", config).stats for f, a in whole.items()]
+        shards = [{f: shard_quant.sketch_from_json(shard_quant.sketch_to_json(s)) for f, s in r.items()} for r in order]
+        assert shard_quant.decide_shards(chosen, shard_quant.merge_sketches(shards), config, chosen) == at_once
+    stats = [shard_quant.quantize_shard(a, at_once[f], "F32", config).stats for f, a in whole.items()]
     pruned = sum(s["pruned_fraction"] * whole[f].size for s, f in zip(stats, whole, strict=True))
     assert 0.18 <= pruned / sum(a.size for a in whole.values()) <= 0.22  # one threshold pooled over the layer type
     assert all(0.005 <= s["protected_fraction"] <= 0.02 for s in stats)

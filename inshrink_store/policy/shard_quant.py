@@ -1,4 +1,6 @@
 """One codebook and one set of thresholds per tensor, however it is sharded over ranks.
+Layer: refs, history and policy (the policy imports neither sibling), below ``parts``; the
+distributed save (``torch/dcp_rank``) takes it through the policy's entry, ``inshrink_store.policy``.
 
 ``repo.save`` quantizes tensors it holds whole (:mod:`inshrink_store.policy.partition`):
 exact top-``protect`` protection, prune thresholds pooled per layer type, a codebook fitted
@@ -34,9 +36,11 @@ from inshrink_store import dtypes as dtype_registry
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
-from inshrink_store.policy import QuantConfig
+from inshrink_store.plans import ArrayPlan
+from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.kmeans import assign, fit_codebook, through_dtype
 from inshrink_store.policy.partition import QuantizedTensor, layer_type, sum_of_products
+from inshrink_store.policy.planner import array_plan
 from inshrink_store.policy.sketch import LogSketch
 
 #: tensors under this FQN prefix are quantized when the state has any (as ``model/`` for repo.save)
@@ -74,7 +78,7 @@ def merge_sketches(per_rank: Iterable[Mapping[str, LogSketch]]) -> dict[str, Log
 
 # -- what the coordinator decides from the plans ------------------------------------------------------
 @dataclass(frozen=True)
-class Target:
+class ShardTarget:
     """A tensor to quantize as the global plan shows it: logical dtype, layer type (from its
     global shape), codebook size, and the previous version's codebook (None: none)."""
 
@@ -88,31 +92,31 @@ class Target:
                 "previous": None if self.previous is None else list(self.previous)}
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Target:
+    def from_dict(cls, doc: Mapping[str, Any]) -> ShardTarget:
         previous = doc.get("previous")
         return cls(str(doc["dtype"]), str(doc["layer_type"]), int(doc["levels"]),
                    None if previous is None else tuple(float(c) for c in previous))
 
 
-def targets(tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: QuantConfig,
-            previous: Mapping[str, tuple[float, ...]] | None = None,
-            module_kinds: Mapping[str, str] | None = None) -> dict[str, Target]:
-    """The tensors to quantize, FQN -> :class:`Target`, from FQN -> (logical dtype, global
+def shard_targets(tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: QuantConfig,
+                  previous: Mapping[str, tuple[float, ...]] | None = None,
+                  module_kinds: Mapping[str, str] | None = None) -> dict[str, ShardTarget]:
+    """The tensors to quantize, FQN -> :class:`ShardTarget`, from FQN -> (logical dtype, global
     shape): quantizable dtype, at least 2-D, at least ``min_numel`` elements, under ``model.``
     when the state has a model part (optimizer state stays lossless), as repo.save chooses."""
     scope = MODEL_PREFIX if any(f.startswith(MODEL_PREFIX) for f in tensors) else ""
     kinds, previous = module_kinds or {}, previous or {}
-    chosen: dict[str, Target] = {}
+    chosen: dict[str, ShardTarget] = {}
     for fqn, (dtype, size) in sorted(tensors.items()):
         if fqn.startswith(scope) and dtype in QUANTIZABLE_NAMES and len(size) >= 2 and math.prod(size) >= config.min_numel:
             kind = layer_type(size, kinds.get(fqn))
-            chosen[fqn] = Target(dtype, kind, config.levels_for(kind), previous.get(fqn))
+            chosen[fqn] = ShardTarget(dtype, kind, config.levels_for(kind), previous.get(fqn))
     return chosen
 
 
 # -- what every rank derives from the merged sketches -------------------------------------------------
 @dataclass(frozen=True)
-class TensorQuantization:
+class ShardQuantization:
     """How every shard of one tensor is quantized: one codebook, one protect cut (None: only
     non-finite values are protected), one prune threshold (None: no pruning)."""
 
@@ -128,7 +132,7 @@ class TensorQuantization:
                 "codebook_reused": self.codebook_reused}
 
 
-def prune_thresholds(chosen: Mapping[str, Target], sketches: Mapping[str, LogSketch],
+def prune_thresholds(chosen: Mapping[str, ShardTarget], sketches: Mapping[str, LogSketch],
                      config: QuantConfig) -> dict[str, float]:
     """Layer type -> the pooled ``prune`` quantile of ``|w|`` over all its tensors."""
     if config.prune <= 0:
@@ -183,7 +187,7 @@ def _usable(previous: tuple[float, ...] | None, dtype: str, include_zero: bool, 
     return p if p.size in sizes and (not include_zero or 0.0 in p) else None
 
 
-def _codebook(rest: LogSketch, target: Target, config: QuantConfig) -> tuple[np.ndarray, bool]:
+def _codebook(rest: LogSketch, target: ShardTarget, config: QuantConfig) -> tuple[np.ndarray, bool]:
     """A fresh fit, or the previous codebook while within tolerance of it, or a warm refit."""
     include_zero = config.prune > 0
     fresh = fit_codebook(None, target.levels, include_zero=include_zero, sketch=rest, dtype=target.dtype)
@@ -198,8 +202,8 @@ def _codebook(rest: LogSketch, target: Target, config: QuantConfig) -> tuple[np.
     return (warm if sketch_error(rest, warm) <= limit else fresh), False
 
 
-def decide(chosen: Mapping[str, Target], sketches: Mapping[str, LogSketch], config: QuantConfig,
-           wanted: Iterable[str]) -> dict[str, TensorQuantization]:
+def decide_shards(chosen: Mapping[str, ShardTarget], sketches: Mapping[str, LogSketch], config: QuantConfig,
+                  wanted: Iterable[str]) -> dict[str, ShardQuantization]:
     """The quantization of each ``wanted`` tensor (a rank asks for those it holds shards of)
     from the merged sketches of *all* chosen tensors (prune thresholds pool over them)."""
     missing = sorted(set(chosen) - set(sketches))
@@ -211,12 +215,12 @@ def decide(chosen: Mapping[str, Target], sketches: Mapping[str, LogSketch], conf
         target, sketch = chosen[fqn], sketches[fqn]
         cut, threshold = _protect_cut(sketch, config.protect), thresholds.get(target.layer_type)
         centres, reused = _codebook(_rest(sketch, cut, threshold), target, config)
-        out[fqn] = TensorQuantization(tuple(float(c) for c in centres), cut, threshold, target.layer_type, reused)
+        out[fqn] = ShardQuantization(tuple(float(c) for c in centres), cut, threshold, target.layer_type, reused)
     return out
 
 
 # -- one shard --------------------------------------------------------------------------------------
-def quantize_shard(values: np.ndarray, q: TensorQuantization, dtype: str, config: QuantConfig) -> QuantizedTensor:
+def quantize_shard(values: np.ndarray, q: ShardQuantization, dtype: str, config: QuantConfig) -> QuantizedTensor:
     """One shard (float32 values) quantized with its tensor's shared decisions: protected
     values rounded to ``protected_dtype`` (NaN and infinities kept), pruned ones 0.0, the rest
     snapped to the nearest centre. The stats are this shard's."""
@@ -242,6 +246,12 @@ def quantize_shard(values: np.ndarray, q: TensorQuantization, dtype: str, config
              "max_abs_error": peak, "codebook_reused": q.codebook_reused, "layer_type": q.layer_type,
              "prune_threshold": q.prune_threshold, "protect_cut": q.protect_cut}
     return QuantizedTensor(out, q.codebook, stats)
+
+
+def shard_plan(values: np.ndarray, q: ShardQuantization, dtype: str, config: QuantConfig) -> ArrayPlan:
+    """How one shard is stored: :func:`quantize_shard`'s values as the plan a writer takes (the
+    protected values in ``config.protected_dtype``)."""
+    return array_plan(quantize_shard(values, q, dtype, config), dtype, config.protected_dtype)
 
 
 def _errors(w: np.ndarray, out: np.ndarray) -> tuple[float, float]:

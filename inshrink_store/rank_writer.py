@@ -1,5 +1,6 @@
-"""Where one rank of a DCP save (:mod:`inshrink_store.torch.dcp`) writes its shards.
-Layer: torch, below Hugging Face and Lightning, above the facade (a client of the store).
+"""Where one rank of a distributed save (:mod:`inshrink_store.torch.dcp`) writes its shards.
+Layer: write session (beside :mod:`~inshrink_store.session`, which commits what it writes),
+below ``admin`` and the facade; the torch layer's DCP writer uses it through this module only.
 
 Zarr arrays in a pending view of its own over the parent version, whose chunk objects go straight
 into the store (write-once, content-addressed: ranks need no coordination). The rank holds
@@ -7,22 +8,28 @@ no write session (the coordinator does); what the coordinator needs to commit ea
 its zarr.json and chunk ids (:meth:`RankArrays.node`), travels back in DCP's write results
 and becomes the version through
 :meth:`~inshrink_store.session.WriteSession.stage_array`.
+
+Why in the store, not in ``torch/``: it is a store writer (a pending view over the parent,
+delta bases, write-once objects), built from the store's internals; beside the write
+session it keeps those internals out of the clients (issue 45's two doors).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from inshrink_store.cas import ObjectStore
 from inshrink_store.index import Entry, SnapshotIndex
 from inshrink_store.plans import ArrayPlan
-from inshrink_store.repository import Repository
 from inshrink_store.storage import open_storage
 from inshrink_store.writer import write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
+
+if TYPE_CHECKING:
+    from inshrink_store.history import SnapshotInfo
 
 __all__ = ["RankArrays", "ShardStore"]
 
@@ -88,9 +95,10 @@ class ShardStore:
         self.objects = ObjectStore(open_storage(url, dict(storage_options or {}) or None),
                                    keyframe_interval=keyframe_interval)
 
-    def arrays(self, repo: Repository, parent: str | None) -> RankArrays:
-        """A rank's arrays of a save whose parent version is ``parent`` (None: the first)."""
+    def arrays(self, parent: SnapshotInfo | None) -> RankArrays:
+        """A rank's arrays of a save whose parent version is ``parent`` (``repo.snapshot(id)``;
+        None: the first)."""
         view = None
         if parent is not None:
-            view = SnapshotChunks(self.objects, repo.snapshot(parent).root, parent)
+            view = SnapshotChunks(self.objects, parent.root, parent.id)
         return RankArrays(self.objects, view)
