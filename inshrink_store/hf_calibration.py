@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from inshrink_store.errors import FormatError, InvalidInputError, require
-from inshrink_store.policy.allocation import Allocation, AllocationPlanner
+from inshrink_store.policy import Allocation, AllocationPlanner
 
 #: calibration lines read from the text file (more add time, little precision)
 MAX_LINES = 256

@@ -16,10 +16,7 @@ import inshrink_store as ins
 from inshrink_store._cli.core import _flag, _n, _say, out, progress_bar
 from inshrink_store._cli.opening import _open, _open_for_import
 from inshrink_store.errors import FormatError
-from inshrink_store.policy.allocation import Allocation
-from inshrink_store.policy.config import MAX_LEVELS
-from inshrink_store.policy.moments import DEFAULT_MOMENTS
-from inshrink_store.policy.record import QuantizationRecord
+from inshrink_store.policy import DEFAULT_MOMENTS, MAX_LEVELS, Allocation, QuantizationRecord
 
 
 def _check_allocation_options(target_ratio: float | None, max_error: float | None, bins: int | None,

@@ -35,8 +35,7 @@ from inshrink_store._cli.opening import (
     _what_is_at,
 )
 from inshrink_store.errors import FormatError, InshrinkError
-from inshrink_store.policy.moments import MomentRecord
-from inshrink_store.policy.record import QuantizationRecord
+from inshrink_store.policy import MomentRecord, QuantizationRecord
 
 
 def init(url: str) -> None:

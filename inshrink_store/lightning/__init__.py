@@ -40,13 +40,11 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 import numpy as np
 
-from inshrink_store.admin import GarbageCollector
 from inshrink_store.errors import (
     AlreadyExistsError,
     BackgroundSaveError,
@@ -57,15 +55,11 @@ from inshrink_store.errors import (
     NotFoundError,
     require,
 )
-from inshrink_store.layout import branch_ref_path
 from inshrink_store.lightning.search import InshrinkSearch
 from inshrink_store.policy import QuantConfig, StatePlanner
-from inshrink_store.refs import check_name
-from inshrink_store.repository import Repository
+from inshrink_store.repository import MAX_KEEP_NEWEST, Repository, SnapshotInfo, check_name
 from inshrink_store.repository import open as open_repo
-from inshrink_store.residual import MAX_KEEP_NEWEST
 from inshrink_store.structure import METADATA_KEY, flatten
-from inshrink_store.torch.checkpointer import _OtherBranchesKept
 from inshrink_store.torch.tensors import load_state, save_state, torch
 
 #: Lightning's base class (``lightning.pytorch.plugins.io.CheckpointIO`` is the same class)
@@ -316,7 +310,8 @@ class InshrinkCheckpointIO(CheckpointIO):
                 f"Expected quantize to be None (lossless) or a QuantConfig. Got {type(quantize).__name__} "
                 "instead; e.g. quantize=QuantConfig(bins=16).")
         self.exact_resume = _exact_resume(exact_resume, quantize)
-        self._exact_resume_given = exact_resume
+        #: the ``exact_resume`` passed (None: left to its default, which InshrinkSearch may set)
+        self.exact_resume_given = exact_resume
         #: the search InshrinkSearch attached at the Trainer's setup (None: ``quantize`` decides)
         self.search: InshrinkSearch | None = None
         self.branch = check_name(branch, "branch")
@@ -329,8 +324,6 @@ class InshrinkCheckpointIO(CheckpointIO):
         self._pending: list[Future[Any]] = []
         self._error: BaseException | None = None
         self._gc_due, self._saves_since_due = False, 0
-        #: snapshot id -> (written by this plugin, parent), for the gc; documents never change
-        self._versions: dict[str, tuple[bool, str | None]] = {}
         #: the report of the last gc (after a removal or a moved tag), or None
         self.last_gc: Any = None
 
@@ -452,17 +445,17 @@ class InshrinkCheckpointIO(CheckpointIO):
         if modules is not None:
             meta["state_dict_metadata"] = modules
         with self._lock:
-            head = self.repo._parts.refs.head(self.branch)
+            head = self.repo.head(self.branch)
             quantize: Any = self._planner()
             metadata: dict[str, Any] = {"lightning": meta}
             if self.search is not None and scratch is not None:
                 quantize, record = self.search.decide(encoded, names or {}, scratch, self.repo,
-                                                      head[1] if head is not None else None, self.exact_resume)
+                                                      head, self.exact_resume)
                 metadata["quantization"] = record.to_dict()
             where: dict[str, Any] = {"branch": self.branch}
             if head is not None and _is_last_save(encoded, key):
                 # a ref, not a version of the branch: on its own branch, off the branch head
-                where = {"branch": _side_branch(self.branch, tag), "parent": head[1], "expect_head": None}
+                where = {"branch": _side_branch(self.branch, tag), "parent": head, "expect_head": None}
                 meta["last_of"] = self.branch
                 with contextlib.suppress(NotFoundError):  # the previous last stays tagged until retagged
                     self.repo.delete_branch(where["branch"])
@@ -521,11 +514,13 @@ class InshrinkCheckpointIO(CheckpointIO):
         every version of this branch the plugin did not write: it collects only checkpoints of
         its own whose tag is gone. Never raises into training: a gc that a commit in progress
         refuses (or that fails) is logged and run again at the next removal or save."""
-        repo = self.repo
-        parts = repo._parts
-        scoped = replace(parts, refs=_OnlyOwnCheckpointsCollected(parts, self.branch, self._versions))
+        branch = self.branch
         try:
-            self.last_gc = GarbageCollector(scoped, 1).run()
+            # the branch trimmed to its head, with its side branches of last.ckpt versions (their
+            # history is this branch's, whose removed checkpoints must go); every other branch keeps
+            # its history, and every version of this branch the plugin did not write is kept
+            self.last_gc = self.repo.gc(1, branch=branch, keep=_not_written_by_plugin,
+                                        trim=lambda name: _is_side_branch(name, branch))
             self._gc_due, self._saves_since_due = False, 0
         except ConflictError as exc:
             self._gc_due = True
@@ -568,56 +563,10 @@ class InshrinkCheckpointIO(CheckpointIO):
                 "instead; nothing after it was written. Fix the cause and save again.") from error
 
 
-class _OnlyOwnCheckpointsCollected(_OtherBranchesKept):
-    """The view of :class:`_OtherBranchesKept` (other branches kept), plus, as tags, every
-    version of the plugin's branch whose metadata has no ``"lightning"`` record of a checkpoint:
-    the plugin's gc collects nothing it did not write.
-
-    Why every ref file of the branch, not just its head: the gc deletes the plugin's versions
-    between a plain version and the head, so a walk from the head stops at the first gap; a
-    kept version keeps the ref file its commit wrote (gc deletes old ref files only when their
-    version goes), so a walk from each ref file reaches every plain version still there."""
-
-    def __init__(self, parts: Any, branch: str, versions: dict[str, tuple[bool, str | None]]) -> None:
-        super().__init__(parts, branch)
-        self._versions = versions
-
-    def tags(self) -> dict[str, str]:
-        present = set(self._history.ids())
-        for gone in set(self._versions) - present:  # collected since: not to be walked through
-            del self._versions[gone]
-        kept: set[str] = set()
-        seen: set[str] = set()
-        for seq in self.branch_seqs().get(self._branch, []):
-            with contextlib.suppress(FileNotFoundError, InshrinkError):
-                current: str | None = self.read(branch_ref_path(self._branch, seq))
-                while current is not None and current not in seen:
-                    seen.add(current)
-                    found = self._version(current) if current in present else None
-                    if found is None:
-                        break  # gone: collected by an earlier gc, this history ends here
-                    ours, parent = found
-                    if not ours:
-                        kept.add(current)
-                    current = parent
-        return {**{f"{sid} (not the plugin's)": sid for sid in kept}, **super().tags()}
-
-    def _keeps_history(self, name: str) -> bool:
-        """Every other branch keeps its history, but the plugin's side branches of ``last.ckpt``
-        versions (:func:`_side_branch`) keep their head only (as the gc's ``keep_last=1`` does):
-        their history is this branch's, whose removed checkpoints must go."""
-        return super()._keeps_history(name) and not _is_side_branch(name, self._branch)
-
-    def _version(self, snapshot_id: str) -> tuple[bool, str | None] | None:
-        """(written by the plugin, parent) of a version, or None where it is missing."""
-        found = self._versions.get(snapshot_id)
-        if found is None:
-            try:
-                info = self._history.get(snapshot_id)
-            except InshrinkError:
-                return None
-            found = self._versions[snapshot_id] = (_written_by_plugin(info.metadata), info.parent)
-        return found
+def _not_written_by_plugin(info: SnapshotInfo) -> bool:
+    """Whether the plugin's gc keeps a version of its branch: one it did not write (a base model
+    ``inshrink import`` put there, a user's own ``repo.save``), whatever its tags say."""
+    return not _written_by_plugin(info.metadata)
 
 
 def _written_by_plugin(metadata: Mapping[str, Any]) -> bool:

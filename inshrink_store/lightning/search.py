@@ -36,13 +36,18 @@ import xxhash
 from typing_extensions import Unpack
 
 from inshrink_store.errors import InvalidInputError, require
-from inshrink_store.policy import Candidates, PlanSet, QuantConfig, QuantizationRecord, SearchPolicy
-from inshrink_store.policy.budgeted_search import QualityPredictor
-from inshrink_store.policy.search_policy import PolicyArgs
+from inshrink_store.policy import (
+    Candidates,
+    PlanSet,
+    PolicyArgs,
+    QualityPredictor,
+    QuantConfig,
+    QuantizationRecord,
+    SearchPolicy,
+)
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions
-from inshrink_store.torch.quantized_eval import _QuantizedEval
+from inshrink_store.torch.quantized_eval import QuantizedEval
 from inshrink_store.torch.tensors import state_to_arrays
-from inshrink_store.writer import previous_codecs
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -125,7 +130,7 @@ class InshrinkSearch(Callback):
             raise InvalidInputError(
                 "Expected one InshrinkSearch per InshrinkCheckpointIO. Got a second one instead; pass one callback.")
         io.search = self
-        if io._exact_resume_given is None:
+        if io.exact_resume_given is None:
             io.exact_resume = 1
 
     # -- what the plugin asks ----------------------------------------------------------------------
@@ -154,13 +159,13 @@ class InshrinkSearch(Callback):
             return self._last[1], self._last[2]
         kinds = {f"{_STATE_DICT}{name}.{p}": type(module).__name__ for name, module in model.named_modules()
                  for p, _ in module.named_parameters(recurse=False)}
-        codecs = {} if parent is None else previous_codecs(repo.checkout(parent).view)
+        codecs = {} if parent is None else repo.codebooks(parent)
         candidates = Candidates(arrays, dtypes, codecs, module_kinds=kinds, keep=self.policy.keep,
                                 scope=_STATE_DICT)
         to_model = {path: _MODEL + names.get(path[len(_STATE_DICT):], path[len(_STATE_DICT):]) for path in arrays}
         originals = {name[len(_MODEL):]: _host(checkpoint["state_dict"][path[len(_STATE_DICT):]])
                      for path, name in to_model.items()}
-        evaluate = _QuantizedEval(self.eval_fn, model, {to_model[p]: d for p, d in dtypes.items()}, originals,
+        evaluate = QuantizedEval(self.eval_fn, model, {to_model[p]: d for p, d in dtypes.items()}, originals,
                                   lambda plans: {to_model[p]: plans[p] for p in plans if p in to_model})
         # without restore residuals a resume loads what is stored: the policy's resume space
         policy = self.policy if exact_resume else self.policy.resuming()

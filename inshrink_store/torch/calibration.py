@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from inshrink_store.errors import InvalidInputError, require
-from inshrink_store.policy.allocation import Allocation, AllocationPlanner
-from inshrink_store.policy.sensitivity import weights_from_fisher
+from inshrink_store.policy import Allocation, AllocationPlanner, weights_from_fisher
 
 if TYPE_CHECKING:
     import torch

@@ -46,34 +46,31 @@ from inshrink_store.errors import (
     LeaseBrokenError,
     NotFoundError,
 )
-from inshrink_store.manifest import check_commit_fields
 from inshrink_store.policy import (
     DEFAULT_CONFIG,
     Candidates,
+    ClosedLoop,
+    Decision,
+    MomentPolicy,
+    PolicyArgs,
+    QualityPredictor,
     QuantConfig,
     QuantizationRecord,
+    SaveBudget,
+    SearchPoint,
     SearchPolicy,
+    SearchResult,
+    SearchSpace,
+    parent_bases,
+    with_moment_bases,
 )
-from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget
-from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
-from inshrink_store.policy.moment_loop import with_moment_bases
-from inshrink_store.policy.moments import MomentPolicy
-from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
-from inshrink_store.policy.search_policy import Decision, PolicyArgs
-from inshrink_store.refs import replaced_branch_name
-from inshrink_store.session import ANY_HEAD, AnyHead
+from inshrink_store.repository import ANY_HEAD, AnyHead, check_commit_fields, replaced_branch_name
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions, OnBusy
-from inshrink_store.torch.extra_state import RNGState, _load_into, _state_of
+from inshrink_store.torch.extra_state import RNGState, load_into, state_of
 from inshrink_store.torch.optim import adam_hyper, load_optimizer_state, param_paths
-from inshrink_store.torch.quantized_eval import _probe_similarity
-from inshrink_store.torch.quantized_eval import (
-    _QuantizedEval as _QuantizedEval,  # dcp_checkpointer's import
-)
+from inshrink_store.torch.quantized_eval import QuantizedEval, probe_similarity
 from inshrink_store.torch.retention import GcWorker, Retention, RetentionKeeper
-from inshrink_store.torch.retention import (
-    _OtherBranchesKept as _OtherBranchesKept,  # lightning's gc view
-)
 from inshrink_store.torch.staging import HostStaging, Staged
 from inshrink_store.torch.tensors import (
     flatten_state,
@@ -82,13 +79,11 @@ from inshrink_store.torch.tensors import (
     state_to_arrays,
     torch,
 )
-from inshrink_store.writer import previous_codecs
 
 if TYPE_CHECKING:  # annotations only; at run time torch comes from require() (tensors.py)
     import torch as _torch
 
-    from inshrink_store.history import SnapshotInfo
-    from inshrink_store.repository import Repository
+    from inshrink_store.repository import Repository, SnapshotInfo
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +362,7 @@ class Checkpointer:
             raise InvalidInputError(
                 f"Expected the names in extra= to differ from extra_state's. Got {clash} in both instead; "
                 "rename one of them.")
-        extras = {name: _state_of(obj) for name, obj in self.extra_state.items()}
+        extras = {name: state_of(obj) for name, obj in self.extra_state.items()}
         extras.update(given)
         try:
             flatten(extras, is_state_leaf, prefix="extra")
@@ -423,7 +418,7 @@ class Checkpointer:
         if self.optimizer is not None and "optimizer" in state:
             load_optimizer_state(self.optimizer, state["optimizer"], f"{snapshot_id[:12]} (step {info.step})")
         for name, obj in self.extra_state.items():
-            _load_into(obj, extras[name])
+            load_into(obj, extras[name])
         self.extra = dict(extras)
         self._parent, self._expect_head = snapshot_id, head
         if self._keeper is not None:
@@ -462,7 +457,7 @@ class Checkpointer:
         # views, not copies: job.state is this save's own copy (staging.py), read-only from here on
         arrays, dtypes, skeleton = state_to_arrays(job.state, copy=False)
         parent, expected = self._commit_base()
-        evaluate: _QuantizedEval | None = None
+        evaluate: QuantizedEval | None = None
         plans: Any = None
         if self.lossless:
             decision = Decision(None, QuantizationRecord(config=None, tolerance=self.policy.tolerance,
@@ -489,7 +484,7 @@ class Checkpointer:
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if self.probe is not None and job.eval_model is not None:
-            metadata["probe"] = _probe_similarity(job.eval_model, self.probe, dtypes, job.state["model"], plans)
+            metadata["probe"] = probe_similarity(job.eval_model, self.probe, dtypes, job.state["model"], plans)
 
         def with_moments() -> dict[str, Any]:
             """The metadata once the tensors are written: the moments' record is complete only
@@ -563,7 +558,7 @@ class Checkpointer:
                 "(restore('main') forks it), or call restore() to continue from the new head.")
 
     def _decide(self, job: _Job, arrays: dict[str, Any], dtypes: dict[str, str], loop: ClosedLoop | None,
-                parent: str | None, budget: SaveBudget) -> tuple[Decision, Any, _QuantizedEval | None]:
+                parent: str | None, budget: SaveBudget) -> tuple[Decision, Any, QuantizedEval | None]:
         """The search of one save: its decision, the plans to write (closed-loop ones when
         ``loop`` codes the weights) and the evaluator it used (None without ``eval_fn``)."""
         searched = arrays if loop is None else loop.search_arrays(arrays)
@@ -589,7 +584,7 @@ class Checkpointer:
                                 skip=frozenset() if loop is None else frozenset(loop.unchanged))
         evaluate = None
         if self.eval_fn is not None and job.eval_model is not None:
-            evaluate = _QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
+            evaluate = QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
                                       None if loop is None else (lambda candidate: loop.plans(candidate, arrays)))
         # without a restore residual a restart resumes from what is stored: search the
         # policy's resume space, whose versions hold the tolerance over many restores (a
@@ -665,7 +660,7 @@ class Checkpointer:
     def _previous_codecs(self, parent: str | None) -> dict[str, dict[str, Any]]:
         if parent is None:
             return {}
-        return previous_codecs(self.repo.checkout(parent).view)
+        return self.repo.codebooks(parent)
 
     # -- retention -------------------------------------------------------------------------
     def _retain(self, info: SnapshotInfo) -> None:

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from inshrink_store.errors import FormatError, InvalidInputError
-from inshrink_store.policy import SearchPolicy
-from inshrink_store.policy.moments import MomentPolicy
-from inshrink_store.residual import MAX_KEEP_NEWEST
-from inshrink_store.torch.extra_state import _stateful
+from inshrink_store.policy import MomentPolicy, SearchPolicy
+from inshrink_store.repository import MAX_KEEP_NEWEST
+from inshrink_store.torch.extra_state import check_stateful
 from inshrink_store.torch.retention import Retention
 from inshrink_store.torch.tensors import torch
 
@@ -80,7 +79,7 @@ class CheckpointerOptions:
                            _retention(self.retention, self.max_to_keep, self.keep_every_n_steps))
         extra_state = dict(self.extra_state or {})
         for name, obj in extra_state.items():
-            _stateful(name, obj)
+            check_stateful(name, obj)
         object.__setattr__(self, "resolved_extra_state", extra_state)
         object.__setattr__(self, "resolved_policy",
                            self.policy if self.policy is not None else SearchPolicy.from_args(**self.legacy))

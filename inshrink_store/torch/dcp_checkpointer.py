@@ -27,9 +27,9 @@ from typing import Any
 
 from inshrink_store.errors import InvalidInputError
 from inshrink_store.policy import Candidates, QuantConfig, QuantizationRecord, SearchPolicy
-from inshrink_store.torch.checkpointer import _QuantizedEval
 from inshrink_store.torch.dcp import InshrinkStorageReader, InshrinkStorageWriter
 from inshrink_store.torch.dcp_comm import broadcast_json
+from inshrink_store.torch.quantized_eval import QuantizedEval
 from inshrink_store.torch.tensors import state_to_arrays, torch
 
 __all__ = ["DistributedCheckpointer"]
@@ -115,7 +115,7 @@ class DistributedCheckpointer:
                  for p, _ in mod.named_parameters(recurse=False)}
         candidates = Candidates(arrays, dtypes, {}, module_kinds=kinds, keep=policy.keep)
         originals = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
-        evaluate = _QuantizedEval(self.eval_fn, model, dtypes, originals)
+        evaluate = QuantizedEval(self.eval_fn, model, dtypes, originals)
         decision = dataclasses.replace(policy, optimizer=None).decide(candidates, evaluate, previous=self.previous)
         return decision.record.to_dict()
 

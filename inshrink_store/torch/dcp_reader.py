@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from inshrink_store import SnapshotReader, repository
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store import repository
 from inshrink_store.errors import (
     ConflictError,
     FormatError,
@@ -46,9 +46,8 @@ from inshrink_store.errors import (
     NotFoundError,
 )
 from inshrink_store.parallel import map_in_order
-from inshrink_store.reader import SnapshotReader
 from inshrink_store.repository import Repository, SnapshotInfo
-from inshrink_store.storage.base import protocol_of
+from inshrink_store.storage import protocol_of
 from inshrink_store.torch.dcp_format import DOC_ATTR, Chunk, DcpDocument, TensorEntry, ValueEntry
 from inshrink_store.torch.tensors import TORCH_DTYPES, array_to_tensor, torch
 
@@ -253,9 +252,8 @@ def _region(reader: SnapshotReader, item: ReadItem, tensor: TensorEntry, chunk: 
                              f"{starts}, lengths {lengths} instead.")
     if 0 in lengths:
         return np.zeros(lengths, dtype_registry.get(tensor.dtype).carrier)
-    array = reader[chunk.array]
     region = tuple(slice(s, s + n) for s, n in zip(starts, lengths, strict=True))
-    return np.asarray(reader._zarr(f"tensor {chunk.array!r}", lambda: array[region]))
+    return reader.read_region(chunk.array, region)
 
 
 def _python_value(reader: SnapshotReader, fqn: str, value: ValueEntry) -> Any:

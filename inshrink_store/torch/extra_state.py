@@ -2,8 +2,8 @@
 
 An ``extra_state`` entry is anything that gives its state and takes it back:
 ``state_dict()``/``load_state_dict()`` (an LR scheduler, :class:`RNGState`) or
-``get_state()``/``set_state()`` (a ``torch.Generator``). :func:`_stateful` checks an entry
-when the Checkpointer is made, :func:`_state_of` reads it at each save and :func:`_load_into`
+``get_state()``/``set_state()`` (a ``torch.Generator``). :func:`check_stateful` checks an entry
+when the Checkpointer is made, :func:`state_of` reads it at each save and :func:`load_into`
 puts a restored version's state back.
 
 Why a module of its own: what such an object must offer, and :class:`RNGState` (the process's
@@ -66,7 +66,7 @@ class RNGState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _stateful(name: Any, obj: Any) -> None:
+def check_stateful(name: Any, obj: Any) -> None:
     """An ``extra_state`` entry must be able to give its state and take it back."""
     if not isinstance(name, str):
         raise InvalidInputError(
@@ -80,11 +80,11 @@ def _stateful(name: Any, obj: Any) -> None:
             "instead; pass plain values with save(step, extra={...}) and read them back from ck.extra.")
 
 
-def _state_of(obj: Any) -> Any:
+def state_of(obj: Any) -> Any:
     return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj.get_state()
 
 
-def _load_into(obj: Any, state: Any) -> None:
+def load_into(obj: Any, state: Any) -> None:
     if callable(getattr(obj, "load_state_dict", None)):
         obj.load_state_dict(state)
     else:

@@ -14,7 +14,7 @@ from numbers import Real
 from typing import Any
 
 from inshrink_store.errors import InvalidInputError
-from inshrink_store.policy.moments import AdamHyper
+from inshrink_store.policy import AdamHyper
 
 
 def param_paths(model: Any, optimizer: Any, prefix: str = "model/") -> dict[str, str]:

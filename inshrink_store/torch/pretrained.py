@@ -37,7 +37,12 @@ from typing import Any
 import xxhash
 
 from inshrink_store.errors import FormatError, NotFoundError, require
-from inshrink_store.torch.tensors import _atomic, export_state, reader_state, save_safetensors
+from inshrink_store.torch.tensors import (
+    export_state,
+    reader_state,
+    save_safetensors,
+    write_atomically,
+)
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
@@ -111,7 +116,7 @@ def export_pretrained(reader: Any, directory: str | os.PathLike[str], *,
     if model is not None:
         state = _matched(state, model[0])
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic(directory / CONFIG_NAME, lambda tmp: _write_text(tmp, text))
+    write_atomically(directory / CONFIG_NAME, lambda tmp: _write_text(tmp, text))
     weights = _weights(state, model[1] if model is not None and _has_duplicates(state) else None)
     save_safetensors(weights, directory / WEIGHTS_NAME, {"format": "pt"})
     copied = _copy_folder(source, directory) if source is not None else ()

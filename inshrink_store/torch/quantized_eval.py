@@ -1,8 +1,8 @@
 """torch layer: a candidate's model, as a version would store it, judged on the model's device.
 
 The Checkpointer's search scores candidates with the user's ``eval_fn``
-(:class:`_QuantizedEval`), and its ``probe=`` check compares the stored model's output on a
-batch with the saved one's (:func:`_probe_similarity`); both load a candidate's planned values
+(:class:`QuantizedEval`), and its ``probe=`` check compares the stored model's output on a
+batch with the saved one's (:func:`probe_similarity`); both load a candidate's planned values
 into a scratch copy of the model (:func:`_with_plans`) and put the saved weights back after.
 
 Why a module of its own: this is the only part of a save that runs the user's model (and so
@@ -53,7 +53,7 @@ def _model_output(model: Any, probe: Any) -> Any:
     return out.detach().to("cpu", torch.float64)
 
 
-def _probe_similarity(model: Any, probe: Any, dtypes: dict[str, str], originals: dict[str, Any],
+def probe_similarity(model: Any, probe: Any, dtypes: dict[str, str], originals: dict[str, Any],
                       plans: Mapping[str, Any] | None) -> dict[str, float]:
     """How close the stored model's output on ``probe`` is to the saved one's: per sample
     (the output's first axis) cosine, its mean and lowest, and the relative error overall.
@@ -80,7 +80,7 @@ def _probe_similarity(model: Any, probe: Any, dtypes: dict[str, str], originals:
 
 
 
-class _QuantizedEval:
+class QuantizedEval:
     """``eval_fn`` on a scratch copy of the model, on the model's own device, with a
     candidate's values loaded.
 

@@ -23,10 +23,9 @@ import re
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from inshrink_store.admin import GarbageCollector
 from inshrink_store.errors import (
     AlreadyExistsError,
     ConflictError,
@@ -34,12 +33,9 @@ from inshrink_store.errors import (
     InvalidInputError,
     NotFoundError,
 )
-from inshrink_store.layout import branch_ref_path
-from inshrink_store.refs import Refs
 
 if TYPE_CHECKING:
-    from inshrink_store.history import SnapshotInfo
-    from inshrink_store.repository import Repository
+    from inshrink_store.repository import Repository, SnapshotInfo
 
 #: the Checkpointer's logger, not this module's: users filter retention's lines by that name
 log = logging.getLogger("inshrink_store.torch.checkpointer")
@@ -408,53 +404,6 @@ class GcWorker:
                  keep, report.kept_snapshots, len(report.deleted.get("snapshots", [])), report.freed_bytes)
 
     def _gc_branch(self, keep_last: int) -> Any:
-        """``repo.gc(keep_last=keep_last)`` that trims this branch alone: the store's gc
-        keeps the last N of *every* branch, so it runs over :class:`_OtherBranchesKept`."""
-        parts = self.repo._parts
-        scoped = replace(parts, refs=_OtherBranchesKept(parts, self.branch))
-        return GarbageCollector(scoped, keep_last).run()
-
-
-class _OtherBranchesKept(Refs):
-    """The store's refs, plus every version in the history of every other branch (from its
-    head and its older ref files) as a tag, for a gc that trims one branch only.
-
-    Why a view: ``gc(keep_last=N)`` keeps the N newest versions of every branch and has no
-    per-branch form, but a tag keeps its version whatever N says. These tags exist only in
-    this view, never in the store; gc reads them while it marks, under its lease, when no
-    commit is in progress, so a version committed since is the branch's head and kept."""
-
-    def __init__(self, parts: Any, branch: str) -> None:
-        super().__init__(parts.storage)
-        self._history, self._branch = parts.history, branch
-
-    def tags(self) -> dict[str, str]:
-        kept: set[str] = set()
-        for name, seqs in self.branch_seqs().items():
-            if self._keeps_history(name):
-                for seq in seqs:
-                    try:
-                        start = self.read(branch_ref_path(name, seq))
-                    except FileNotFoundError:
-                        continue  # deleted since the listing
-                    self._walk(start, kept)
-        return {**{f"{sid} (another branch's)": sid for sid in kept}, **super().tags()}
-
-    def _keeps_history(self, name: str) -> bool:
-        """Whether branch ``name``'s whole history is kept: every branch but the one trimmed."""
-        return name != self._branch
-
-    def _walk(self, start: str | None, kept: set[str]) -> None:
-        """Add ``start`` and its ancestors to ``kept``, up to one already there or missing.
-
-        Only a confirmed absence ends the walk (NotFoundError: a parent an earlier gc removed,
-        or a dangling ref, verify's to report). Any other error propagates and stops the gc
-        reading these tags before it deletes anything: ended here, a transient error on one
-        snapshot would let the gc sweep that branch's older versions (gc fails closed)."""
-        while start is not None and start not in kept:
-            try:
-                parent = self._history.get(start).parent
-            except NotFoundError:
-                return
-            kept.add(start)
-            start = parent
+        """``repo.gc(keep_last=keep_last)`` that trims this branch alone (every other branch
+        keeps its whole history): the store's gc scoped to the branch."""
+        return self.repo.gc(keep_last, branch=self.branch)

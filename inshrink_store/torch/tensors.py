@@ -37,11 +37,9 @@ if TYPE_CHECKING:  # annotations only; at run time torch comes from require() be
     import torch as _torch
     from typing_extensions import Unpack
 
-    from inshrink_store.history import SnapshotInfo
     from inshrink_store.plans import Planner, Quantize
-    from inshrink_store.policy import Allocation, QuantConfig
-    from inshrink_store.policy.moments import MomentPolicy
-    from inshrink_store.repository import Repository, SaveOptions
+    from inshrink_store.policy import Allocation, MomentPolicy, QuantConfig
+    from inshrink_store.repository import Repository, SaveOptions, SnapshotInfo
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
@@ -607,11 +605,11 @@ def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],
     """Write via a temp file in the same folder, then rename: never a half-written file."""
     from safetensors.torch import save_file
 
-    _atomic(Path(path), lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                                              metadata=dict(metadata) if metadata else None))
+    write_atomically(Path(path), lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                                                       metadata=dict(metadata) if metadata else None))
 
 
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
+def write_atomically(path: Path, write: Callable[[str], None]) -> None:
     """``write`` a temp file in ``path``'s folder, then rename it to ``path``.
 
     The file gets the mode a plain ``open()`` gives (0666 less the umask), as
@@ -746,7 +744,7 @@ def export_torch(reader: Any, path: str | os.PathLike[str], *, include_all: bool
     ``include_all`` ``loaded["model"]`` and ``loaded["optimizer"]`` into the model and its
     optimizer. Returns the number of tensors written."""
     state = export_state(reader, include_all=include_all, progress=progress, residual=residual)
-    _atomic(Path(path), lambda tmp: torch.save(state, tmp))
+    write_atomically(Path(path), lambda tmp: torch.save(state, tmp))
     if include_all and reader.attributes.get(STRUCTURE_ATTR) is not None:
         return len(reader.names())
     return len(state)
