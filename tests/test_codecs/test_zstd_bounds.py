@@ -104,3 +104,46 @@ def test_a_frame_cut_short_is_a_format_error_naming_it():
     for cut in (len(frame) - 1, len(frame) - 5, 20):
         with pytest.raises(FormatError, match="chunk 7"):
             _zstd.decompress(frame[:cut], LIMIT, "chunk 7")
+
+
+@settings(max_examples=40, deadline=None)
+@given(frames=st.lists(st.tuples(st.binary(max_size=4096), st.sampled_from(["whole", "cut", "flipped", "garbage"]),
+                                 st.integers(0, 2**32 - 1)), min_size=1, max_size=8))
+def test_the_reused_decompressor_gives_what_a_fresh_one_gives_after_any_failure(frames):
+    """Each thread keeps one decompressor (issue 43, item 10): any sequence of good and bad
+    frames (cut short, a byte flipped, not zstd) decodes or fails exactly as with a new
+    decompressor per frame, so a failed frame leaves nothing behind for the next."""
+    for content, damage, seed in frames:
+        frame = bytearray(zstandard.ZstdCompressor(level=1, write_checksum=True).compress(content))
+        if damage == "cut":
+            frame = frame[:max(1, seed % len(frame))]
+        elif damage == "flipped":
+            frame[seed % len(frame)] ^= 1 << (seed % 8)
+        elif damage == "garbage":
+            frame = bytearray(seed.to_bytes(4, "little")) + frame
+        limit = max(len(content), 1)
+        try:
+            fresh = zstandard.ZstdDecompressor().decompress(bytes(frame))
+        except zstandard.ZstdError:
+            fresh = None
+        try:
+            got = _zstd.decompress(bytes(frame), limit, "plane")
+        except FormatError:
+            got = None
+        if fresh is not None and len(fresh) <= limit:
+            assert got == fresh
+        if got is not None:
+            assert got == content or damage != "whole"
+    assert _zstd._decompressor() is _zstd._decompressor()  # noqa: SLF001 - one per thread
+
+
+def test_threads_decode_side_by_side_with_their_own_decompressors():
+    from concurrent.futures import ThreadPoolExecutor
+
+    contents = [np.random.default_rng(i).integers(0, 4, 1 << 18, dtype=np.uint8).tobytes() for i in range(16)]
+    frames = [zstandard.ZstdCompressor(level=1).compress(c) for c in contents]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda f: [_zstd.decompress(f, 1 << 18, "plane") for _ in range(20)], frames))
+        ids = set(pool.map(lambda _: id(_zstd._decompressor()), range(64)))  # noqa: SLF001
+    assert all(all(g == c for g in gs) for gs, c in zip(got, contents, strict=True))
+    assert len(ids) <= 4
