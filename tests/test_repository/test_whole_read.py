@@ -134,3 +134,36 @@ def test_plan_refuses_metadata_zarr_refuses() -> None:
            "codecs": [{"name": "no-such-codec"}]}
     with pytest.raises(Exception, match="no-such-codec"):
         whole_read.plan(json.dumps(doc).encode())
+
+
+def _doc(**change: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"zarr_format": 3, "node_type": "array", "shape": [4, 6], "data_type": "float32",
+                           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 6]}},
+                           "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+                           "fill_value": 0.0, "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                           "attributes": {"inshrink": {"content": "a"}}}
+    doc.update(change)
+    return doc
+
+
+def test_plans_are_shared_by_documents_differing_in_attributes_only() -> None:
+    """A version's tensors share a handful of plans (issue 43, item 10): zarr parses each
+    distinct shape, dtype and codec chain once; any other difference is another plan."""
+    first = whole_read.plan(json.dumps(_doc()).encode())
+    assert first is not None and first.metadata.attributes == {}
+    same = [_doc(attributes={"inshrink": {"content": "b"}}), _doc(attributes=None), _doc(attributes="not a dict")]
+    assert all(whole_read.plan(json.dumps(d).encode()) is first for d in same)
+    other = [_doc(shape=[4, 7]), _doc(data_type="float64"), _doc(fill_value=1.0),
+             _doc(chunk_grid={"name": "regular", "configuration": {"chunk_shape": [1, 6]}})]
+    plans = [whole_read.plan(json.dumps(d).encode()) for d in other]
+    assert all(p is not None and p is not first for p in plans)
+    assert [p.shape for p in plans if p is not None][0] == (4, 7)
+
+
+def test_a_refused_document_is_refused_every_time_even_beside_a_shared_plan() -> None:
+    whole_read.plan(json.dumps(_doc()).encode())
+    for _ in range(2):  # errors are not remembered as plans
+        with pytest.raises(Exception, match="no-such-codec"):
+            whole_read.plan(json.dumps(_doc(codecs=[{"name": "no-such-codec"}])).encode())
+    with pytest.raises(Exception):  # noqa: B017, PT011 - zarr's own error for a document that is no object
+        whole_read.plan(b"[1, 2]")
