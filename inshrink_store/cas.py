@@ -545,13 +545,12 @@ class ObjectStore:
         header = chain[0][1]
         try:
             links = [np.frombuffer(body, np.uint8) for _, _, body in reversed(chain[:top])]
-            data = bytegroup.decode_chain(links, bytegroup.DTYPE_NAMES[bytegroup.parse(links[-1])[0]],
-                                          None if base is None else np.frombuffer(base, np.uint8), header.logical_length)
+            payload = bytegroup.decode_chain_to_bytes(links, bytegroup.DTYPE_NAMES[bytegroup.parse(links[-1])[0]], base,
+                                                      header.logical_length, checked=False)  # the id is checked below
         except MemoryError:
             raise
         except Exception:  # noqa: BLE001 - decoded again link by link, which names the bad link
             return None
-        payload = data.tobytes()
         if len(payload) != header.logical_length or content_id(payload) != oid:
             return None
         self._cache.put(oid, payload)
@@ -721,5 +720,4 @@ def _decode_floats(oid: str, header: ObjectHeader, body: bytes | memoryview, bas
         if base is None:
             raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
         base_data = np.frombuffer(base, np.uint8)
-    return bytegroup.decode_bytes(data, bytegroup.DTYPE_NAMES[code], base=base_data,
-                                  size=header.logical_length).tobytes()
+    return bytegroup.decode_to_bytes(data, bytegroup.DTYPE_NAMES[code], base=base_data, size=header.logical_length)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -456,13 +457,32 @@ class _Chunk:
         return _planes.decode_stream(CODER_OF_METHOD[method], body, self.n, f"plane {i}")
 
 
-def _joined(planes: list[np.ndarray], itemsize: int, rotated: bool) -> np.ndarray:
+#: the largest chunk the ``*_to_bytes`` decoders join in a thread's scratch words (above: an array of its own)
+SCRATCH_MAX = 16 << 20
+_scratch = threading.local()
+
+
+def _scratch_words(n: int, itemsize: int) -> np.ndarray:
+    """``n`` words of ``itemsize`` bytes in this thread's scratch buffer (kept for its next
+    chunk, grown as needed). Why: a fresh array for each joined chunk was fresh memory each
+    time (numpy maps a 4 MiB array anew: a page fault per 4 KiB), more than the join itself;
+    the caller copies the words out before this thread joins another chunk."""
+    if n * itemsize > SCRATCH_MAX:
+        return np.empty(n, f"<u{itemsize}")
+    buffer: np.ndarray | None = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < n * itemsize:
+        buffer = _scratch.buffer = np.empty(n * itemsize, np.uint8)
+    return buffer[:n * itemsize].view(f"<u{itemsize}")
+
+
+def _joined(planes: list[np.ndarray], itemsize: int, rotated: bool, scratch: bool = False) -> np.ndarray:
     """The chunk's bytes from its planes (the sign rotated back when ``rotated``): one
-    compiled pass when numba is installed, else :func:`join_planes` and :func:`sign_first`."""
+    compiled pass when numba is installed, else :func:`join_planes` and :func:`sign_first`;
+    ``scratch``: in this thread's scratch words (:func:`_scratch_words`), copied out at once."""
     n = planes[0].size
     kernels = _kernels.for_bytes(n * itemsize)
     if kernels is not None and itemsize in (2, 4):  # one compiled pass: join and rotate back
-        words = np.empty(n, f"<u{itemsize}")
+        words = _scratch_words(n, itemsize) if scratch else np.empty(n, f"<u{itemsize}")
         (kernels.join2 if itemsize == 2 else kernels.join4)(
             *(_kernels.read_only(p) for p in planes), rotated, words)
         return words.view(np.uint8)
@@ -483,6 +503,16 @@ def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | Non
     """The decoded chunk as flat uint8, checked against the header's checksum.
 
     ``size`` (bytes), when known, is checked against the header before anything is allocated."""
+    return _decode(data, dtype, base, size, scratch=False)
+
+
+def decode_to_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | None = None) -> bytes:
+    """:func:`decode_bytes` as bytes (what the object store keeps), the same checks and
+    errors: joined in this thread's scratch words and copied out once (issue 43, item 10)."""
+    return _decode(data, dtype, base, size, scratch=True).tobytes()
+
+
+def _decode(data: np.ndarray, dtype: str, base: Any, size: int | None, scratch: bool) -> np.ndarray:
     chunk = _chunk_of(data, dtype, size)
     itemsize = len(chunk.table)
     base_planes = None
@@ -495,10 +525,11 @@ def decode_bytes(data: np.ndarray, dtype: str, base: Any = None, size: int | Non
             assert base_planes is not None  # FLAG_BASE matches the methods (parse)
             plane = np.bitwise_xor(plane, base_planes[i])
         planes.append(plane)
-    return _checked(_joined(planes, itemsize, chunk.rotated), chunk.checksum)
+    return _checked(_joined(planes, itemsize, chunk.rotated, scratch), chunk.checksum)
 
 
-def decode_chain(chain: list[np.ndarray], dtype: str, base: Any = None, size: int | None = None) -> np.ndarray:
+def decode_chain(chain: list[np.ndarray], dtype: str, base: Any = None, size: int | None = None, *,
+                 checked: bool = True) -> np.ndarray:
     """The decoded last chunk of a delta chain, as flat uint8: ``chain[0]`` is a keyframe,
     or a delta over ``base`` (decoded bytes); each later chunk a delta over the one before.
     The same bytes as :func:`decode_bytes` applied link by link, each link's output the
@@ -521,7 +552,21 @@ def decode_chain(chain: list[np.ndarray], dtype: str, base: Any = None, size: in
     size; that each delta's base is the chunk below it (the base hash it records equals the
     checksum that chunk records, and ``base``'s own hash for the first); and the result
     against the last chunk's checksum. An intermediate link's decoded bytes are not hashed
-    (they are never joined): the result's checksum is what says the chain decoded right."""
+    (they are never joined): the result's checksum is what says the chain decoded right.
+    ``checked=False`` leaves that last hash to a caller that checks the result itself by a
+    stronger one (:meth:`ObjectStore.get` compares its xxh3-128 with the object's id and
+    decodes link by link on a mismatch): hashing the same bytes twice was 2 % of an
+    ``export --all`` (issue 43, item 10)."""
+    return _decode_chain(chain, dtype, base, size, checked, scratch=False)
+
+
+def decode_chain_to_bytes(chain: list[np.ndarray], dtype: str, base: Any = None, size: int | None = None, *, checked: bool = True) -> bytes:
+    """:func:`decode_chain` as bytes (what the object store keeps), the same checks and
+    errors: joined in this thread's scratch words and copied out once (issue 43, item 10)."""
+    return _decode_chain(chain, dtype, base, size, checked, scratch=True).tobytes()
+
+
+def _decode_chain(chain: list[np.ndarray], dtype: str, base: Any, size: int | None, checked: bool, scratch: bool) -> np.ndarray:
     if not chain:
         raise FormatError("Expected at least one chunk in a delta chain. Got none instead.")
     chunks = [_chunk_of(data, dtype, size) for data in chain]
@@ -568,7 +613,8 @@ def decode_chain(chain: list[np.ndarray], dtype: str, base: Any = None, size: in
             else:
                 planes[i], owned[i] = np.bitwise_xor(current, plane), True
     last = chunks[-1]
-    return _checked(_joined([p for p in planes if p is not None], itemsize, last.rotated), last.checksum)
+    out = _joined([p for p in planes if p is not None], itemsize, last.rotated, scratch)
+    return _checked(out, last.checksum) if checked else out
 
 
 register_codec(ByteGroup)

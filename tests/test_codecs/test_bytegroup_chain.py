@@ -82,6 +82,14 @@ def test_a_chain_decoded_in_planes_equals_decoding_it_link_by_link(spec: dict) -
     if all(deltas[1:]):  # a first link stored whole ignores the base, as decode_bytes does
         got = bg.decode_chain(chain, dtype, base=base, size=versions[-1].size)
         assert got.tobytes() == expected.tobytes()
+        unhashed = bg.decode_chain(chain, dtype, base=base, size=versions[-1].size, checked=False)
+        assert unhashed.tobytes() == expected.tobytes()
+        for checked in (True, False):  # joined in the thread's scratch words, then copied out
+            assert bg.decode_chain_to_bytes(chain, dtype, base=base, size=versions[-1].size,
+                                            checked=checked) == expected.tobytes()
+        top = chain[-1]
+        below = _by_links(chain[:-1], dtype, base) if len(chain) > 1 else base
+        assert bg.decode_to_bytes(top, dtype, base=below) == bg.decode_bytes(top, dtype, base=below).tobytes()
     else:
         with pytest.raises(IntegrityError, match="over the chunk below it"):
             bg.decode_chain(chain, dtype, base=base)
@@ -163,6 +171,68 @@ def test_a_plane_changed_in_a_link_the_result_depends_on_is_refused(link: int) -
         bg.decode_chain(_damage_a_plane_above_depends_on(chain, link), "float32")
 
 
+def test_unchecked_the_result_is_not_hashed_and_a_wrong_one_is_the_callers_to_find(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checked=False`` (issue 43, item 10): the result's xxh3-64 is left to the caller
+    (the object store checks the result's id instead); the links' structure is still
+    checked, and a changed plane gives other bytes instead of an error."""
+    versions, chain = _delta_chain()
+    hashed: list[int] = []
+    checked = bg._checked
+    monkeypatch.setattr(bg, "_checked", lambda out, checksum: hashed.append(out.size) or checked(out, checksum))
+    assert bg.decode_chain(chain, "float32", checked=False).tobytes() == versions[-1].tobytes()
+    assert hashed == []
+    assert bg.decode_chain(chain, "float32").tobytes() == versions[-1].tobytes()
+    assert hashed == [versions[-1].size]
+    for link in range(len(chain)):  # a damaged stream may still fail to decode, never the hash
+        try:
+            got = bg.decode_chain(_damage_a_plane_above_depends_on(chain, link), "float32", checked=False)
+        except FormatError as exc:
+            assert "xxh3-64" not in str(exc)
+        else:
+            assert got.tobytes() != versions[-1].tobytes()
+    assert hashed == [versions[-1].size]
+    with pytest.raises(IntegrityError, match="over the chunk below it"):
+        bg.decode_chain([chain[0], chain[2]], "float32", checked=False)
+
+
+def test_the_bytes_decoders_copy_out_of_a_scratch_that_later_chunks_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode_to_bytes`` and ``decode_chain_to_bytes`` (issue 43, item 10) join in one
+    buffer per thread: what they return is a copy, unchanged by the next chunk of any size
+    (larger, smaller, over :data:`SCRATCH_MAX`), and any thread gets the same bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chains = {n: _delta_chain(links=2, n=n) for n in (6000, 50_000, 3000, 20_000)}
+    got = [bg.decode_chain_to_bytes(chain, "float32") for _, chain in chains.values()]
+    got += [bg.decode_to_bytes(chain[0], "float32") for _, chain in chains.values()]
+    expected = [versions[-1].tobytes() for versions, _ in chains.values()]
+    expected += [versions[0].tobytes() for versions, _ in chains.values()]
+    assert got == expected
+    monkeypatch.setattr(bg, "SCRATCH_MAX", 40_000)  # the larger chunks get arrays of their own
+    assert [bg.decode_chain_to_bytes(chain, "float32") for _, chain in chains.values()] == expected[:4]
+    assert got == expected
+    with ThreadPoolExecutor(4) as pool:
+        many = list(pool.map(lambda item: bg.decode_chain_to_bytes(item[1], "float32"), list(chains.values()) * 8))
+    assert many == expected[:4] * 8
+
+
+def test_the_bytes_decoders_refuse_what_the_array_decoders_refuse() -> None:
+    _, chain = _delta_chain()
+    for link in range(len(chain)):
+        damaged = _damage_a_plane_above_depends_on(chain, link)
+        with pytest.raises((FormatError, IntegrityError)) as array:
+            bg.decode_chain(damaged, "float32")
+        with pytest.raises(type(array.value), match=str(array.value)[:40]):
+            bg.decode_chain_to_bytes(damaged, "float32")
+    for link in range(len(chain)):  # each chunk on its own, over the chunk below it
+        damaged = _damage_a_plane_above_depends_on([*chain[:link + 1]], link)[link]
+        below = bg.decode_chain(chain[:link], "float32") if link else None
+        with pytest.raises((FormatError, IntegrityError)) as array:
+            bg.decode_bytes(damaged, "float32", base=below)
+        with pytest.raises(type(array.value), match=str(array.value)[:40]):
+            bg.decode_to_bytes(damaged, "float32", base=below)
+
+
 # -- through the object store ------------------------------------------------------------
 
 
@@ -182,8 +252,9 @@ def test_the_object_store_reads_a_chain_in_planes_exactly_and_caches_only_the_re
         monkeypatch: pytest.MonkeyPatch) -> None:
     objects, ids, versions = _store_chain()
     calls: list[int] = []
-    decode_chain = bg.decode_chain
-    monkeypatch.setattr(bg, "decode_chain", lambda chain, *a, **k: calls.append(len(chain)) or decode_chain(chain, *a, **k))
+    decode_chain = bg.decode_chain_to_bytes
+    monkeypatch.setattr(bg, "decode_chain_to_bytes",
+                        lambda chain, *a, **k: calls.append(len(chain)) or decode_chain(chain, *a, **k))
     fresh = cas.ObjectStore(objects.storage)
     assert fresh.get(ids[-1]) == versions[-1].tobytes()
     assert calls == [len(ids)]
