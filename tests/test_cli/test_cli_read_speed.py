@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import inshrink_store as ins
 from inshrink_store import index
@@ -251,3 +253,51 @@ def test_a_read_only_read_gives_the_same_values(memory_url: str) -> None:
         assert looked.tobytes() == kept.tobytes()
         assert reader.read_float(path, writable=False).tobytes() == reader.read_float(path).tobytes()
     assert not reader.read("model/w0", writable=False).flags.writeable  # one chunk: the decoded bytes
+
+
+def _finite_change_widening_twice(a: np.ndarray, b: np.ndarray) -> tuple[float, float] | None:
+    """The blockwise pass as it was before a's blocks were widened once (issue 43, item 10)."""
+    size = a.size
+    delta = np.empty(min(size, diff_module._BLOCK), np.float64)
+    square = np.empty_like(delta)
+    max_abs = squares_delta = squares_a = 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, size, diff_module._BLOCK):
+            stop = min(start + diff_module._BLOCK, size)
+            d, s = delta[:stop - start], square[:stop - start]
+            np.subtract(b[start:stop], a[start:stop], out=d, dtype=np.float64)
+            np.abs(d, out=d)
+            top = float(d.max())
+            if not math.isfinite(top):
+                return None
+            max_abs = max(max_abs, top)
+            squares_delta += float(np.add.reduce(np.square(d, out=d)))
+            squares_a += float(np.add.reduce(np.square(a[start:stop], out=s, dtype=np.float64)))
+    if not (math.isfinite(squares_delta) and math.isfinite(squares_a)):
+        return None
+    norm = math.sqrt(squares_a)
+    return max_abs, (math.sqrt(squares_delta) / norm if norm > 0 else (0.0 if max_abs == 0 else math.inf))
+
+
+@settings(max_examples=80, deadline=None)
+@given(size=st.integers(1, 300), block=st.sampled_from([1, 7, 16, 64]), seed=st.integers(0, 2**32 - 1),
+       dtypes=st.tuples(*[st.sampled_from(["float16", "float32", "float64", "longdouble"])] * 2),
+       scale=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e30, 1e300]), special=st.sampled_from([None, np.inf, np.nan]))
+def test_widening_a_once_gives_the_very_figures_of_widening_it_twice(size, block, seed, dtypes, scale, special) -> None:
+    """Same input, same figures to the bit (a float64 of a block of ``a`` is the same value
+    whether it is widened once or for each use), inf, NaN and overflows included."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = (rng.standard_normal(size) * scale).astype(dtypes[0])
+        b = (a.astype(np.float64) + rng.standard_normal(size) * scale * 1e-3).astype(dtypes[1])
+    if special is not None:
+        b[seed % size] = special
+    old_block = diff_module._BLOCK
+    diff_module._BLOCK = block
+    try:
+        got, expected = diff_module._finite_change(a, b), _finite_change_widening_twice(a, b)
+    finally:
+        diff_module._BLOCK = old_block
+    assert (got is None) == (expected is None)
+    if got is not None and expected is not None:
+        assert _same_figures(got, expected)
