@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, MutableMapping
 
-from inshrink_store.errors import InshrinkError, NotFoundError
+from inshrink_store.errors import NotFoundError
 from inshrink_store.history import History, SnapshotInfo
 from inshrink_store.layout import branch_ref_path
 from inshrink_store.refs import Refs
@@ -88,14 +88,20 @@ class BranchScope(Refs):
             start = parent
 
     def _kept_by_keep(self) -> dict[str, str]:
-        """The versions of ``branch`` that ``keep`` keeps, walked from each of its ref files."""
+        """The versions of ``branch`` that ``keep`` keeps, walked from each of its ref files.
+
+        Fails closed, as :meth:`_walk` does: only a confirmed absence (a ref file deleted
+        since the listing, a version collected by an earlier gc) ends a walk. Any other
+        error (a transient read error, a snapshot that does not parse) propagates and
+        stops the gc before it deletes anything; skipped, it let the gc sweep a version
+        ``keep`` keeps after one failed read."""
         present = set(self.history.ids())
         for gone in set(self.memo) - present:  # collected since: not to be walked through
             del self.memo[gone]
         kept: set[str] = set()
         seen: set[str] = set()
         for seq in self.branch_seqs().get(self.branch, []):
-            with contextlib.suppress(FileNotFoundError, InshrinkError):
+            with contextlib.suppress(FileNotFoundError, NotFoundError):  # deleted since the listing
                 current: str | None = self.read(branch_ref_path(self.branch, seq))
                 while current is not None and current not in seen:
                     seen.add(current)
@@ -115,7 +121,7 @@ class BranchScope(Refs):
             assert self.keep is not None
             try:
                 info = self.history.get(snapshot_id)
-            except InshrinkError:
+            except NotFoundError:  # collected since the listing; any other error stops the gc
                 return None
             found = self.memo[snapshot_id] = (self.keep(info), info.parent)
         return found

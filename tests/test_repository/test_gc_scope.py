@@ -79,3 +79,25 @@ def test_a_repository_pickles_after_a_gc_with_a_lambda(local_url: str) -> None:
     repo.gc(1, branch="main", keep=lambda info: False)
     copy = pickle.loads(pickle.dumps(repo))
     assert copy.url == repo.url and copy.snapshot_ids() == repo.snapshot_ids()
+
+
+def test_a_failed_read_on_the_trimmed_branch_stops_the_gc_and_keeps_what_keep_keeps(memory_url: str) -> None:
+    """Regression: the scope's walk over the trimmed branch skipped a version it could not
+    read (any store error, a transient one included), so ``keep`` was never asked about it
+    and the gc swept it: Lightning's plugin kept the user's own versions this way. Only a
+    confirmed absence may end the walk; anything else stops the gc before it deletes."""
+    from inshrink_store import index
+    from inshrink_store.errors import StorageError
+    from inshrink_store.testing import FlakyStorage
+
+    repo = ins.init(memory_url)
+    main = _versions(repo, "main", 4)
+    index.CACHE.clear()  # the scope reads the snapshot documents from the store, not from memory
+    flaky = FlakyStorage.for_url(memory_url)
+    fresh = Repository(flaky)
+    flaky.fail("read", f"snapshots/{main[0]}", times=1)
+    with pytest.raises(StorageError):
+        fresh.gc(1, branch="main", keep=lambda info: info.step == 0)
+    assert flaky.injected and set(fresh.snapshot_ids()) == set(main)  # nothing deleted
+    fresh.gc(1, branch="main", keep=lambda info: info.step == 0)  # the fault is spent: the gc runs
+    assert set(fresh.snapshot_ids()) == {main[0], main[-1]}
