@@ -18,6 +18,7 @@ checkpoint's own ``state_dict`` tensors, and writes the plans it scored: what is
 ``eval_fn`` judged. The version's ``metadata["quantization"]`` holds the search's record, as a
 Checkpointer version's does (``inshrink log`` shows it).
 
+Each save's decision is the Checkpointer's (:class:`~inshrink_store.policy.SaveDecider`), open loop.
 What the Checkpointer does and this does not: the gradient EMA (pruning here goes by
 magnitude, as without ``observe_gradients``), closed-loop residuals (each version's weights are
 quantized afresh, the paper's open loop) and compressed Adam moments (the optimizer's state stays
@@ -37,12 +38,13 @@ from typing_extensions import Unpack
 
 from inshrink_store.errors import InvalidInputError, require
 from inshrink_store.policy import (
-    Candidates,
+    ParentVersion,
     PlanSet,
     PolicyArgs,
-    QualityPredictor,
-    QuantConfig,
     QuantizationRecord,
+    SaveDecider,
+    SaveRun,
+    SaveState,
     SearchPolicy,
 )
 from inshrink_store.torch.checkpointer_options import CheckpointerOptions
@@ -95,8 +97,9 @@ class InshrinkSearch(Callback):
         #: the record of the last save's search (None before one)
         self.last_record: QuantizationRecord | None = None
         self._module: Any = None
-        self._previous: QuantConfig | None = None  # the last save's configuration: where the next one starts
-        self._predictor = QualityPredictor()  # the run's evaluations, which rank a budgeted search's candidates
+        #: what the decisions carry from save to save: the last configuration (where the next
+        #: search starts) and the run's evaluations (which rank a budgeted search's candidates)
+        self._run = SaveRun()
         #: (the weights' hash, plans, record) of the last search: a save of the same weights reuses them
         self._last: tuple[str, PlanSet | None, QuantizationRecord] | None = None
 
@@ -159,18 +162,20 @@ class InshrinkSearch(Callback):
             return self._last[1], self._last[2]
         kinds = {f"{_STATE_DICT}{name}.{p}": type(module).__name__ for name, module in model.named_modules()
                  for p, _ in module.named_parameters(recurse=False)}
-        codecs = {} if parent is None else repo.codebooks(parent)
-        candidates = Candidates(arrays, dtypes, codecs, module_kinds=kinds, keep=self.policy.keep,
-                                scope=_STATE_DICT)
         to_model = {path: _MODEL + names.get(path[len(_STATE_DICT):], path[len(_STATE_DICT):]) for path in arrays}
         originals = {name[len(_MODEL):]: _host(checkpoint["state_dict"][path[len(_STATE_DICT):]])
                      for path, name in to_model.items()}
-        evaluate = QuantizedEval(self.eval_fn, model, {to_model[p]: d for p, d in dtypes.items()}, originals,
-                                  lambda plans: {to_model[p]: plans[p] for p in plans if p in to_model})
-        # without restore residuals a resume loads what is stored: the policy's resume space
-        policy = self.policy if exact_resume else self.policy.resuming()
-        decision = policy.decide(candidates, evaluate, previous=self._previous, predictor=self._predictor)
-        self._previous, self.last_record = decision.record.config, decision.record
+        eval_fn, model_dtypes = self.eval_fn, {to_model[p]: d for p, d in dtypes.items()}
+        # the Checkpointer's decision, open loop: without restore residuals a resume loads what
+        # is stored, so the policy's resume space is searched
+        decider = SaveDecider(self.policy, resume_space=not exact_resume)
+        state = SaveState(arrays, dtypes, kinds, scope=_STATE_DICT)
+        outcome = decider.decide(state, ParentVersion.read(repo, parent, decider, state), self._run,
+                                 lambda _: QuantizedEval(eval_fn, model, model_dtypes, originals, lambda plans: {
+                                     to_model[p]: plans[p] for p in plans if p in to_model}))
+        decision = outcome.decision
+        self._run.committed(decision.record)
+        self.last_record = decision.record
         self._last = (weights, decision.plans, decision.record)
         return decision.plans, decision.record
 

@@ -6,13 +6,13 @@ argument); this layer decides *what* to store, the repository below decides *how
 
 This package is the policy's one entry for the integrations (issue 45's second door): they
 import what a save's decision needs from here, never from its modules (an import-linter
-contract forbids them), so the modules can move without the clients knowing.
+contract forbids them), so the modules can move without the clients knowing. A save's
+decision is one call, :meth:`SaveDecider.decide` (:mod:`~inshrink_store.policy.save_decision`):
+the clients no longer assemble it from the closed loop, the budget and the search themselves.
 """
 
 from inshrink_store.policy.allocation import Allocation, AllocationDecision, AllocationPlanner
-from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget
 from inshrink_store.policy.candidates import CandidatePlanner, Candidates
-from inshrink_store.policy.closed_loop import ClosedLoop, parent_bases
 from inshrink_store.policy.config import (
     BINS,
     DEFAULT_CONFIG,
@@ -24,7 +24,6 @@ from inshrink_store.policy.config import (
     QuantConfig,
 )
 from inshrink_store.policy.kmeans import fit_codebook, weighted_kmeans
-from inshrink_store.policy.moment_loop import with_moment_bases
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, AdamHyper, MomentPolicy, MomentRecord
 from inshrink_store.policy.partition import (
     LAYER_TYPES,
@@ -40,8 +39,16 @@ from inshrink_store.policy.planner import StatePlanner
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator
 from inshrink_store.policy.record import QuantizationRecord
+from inshrink_store.policy.save_decision import (
+    RESIDUAL_SPACE,
+    ParentVersion,
+    SaveDecider,
+    SaveOutcome,
+    SaveRun,
+    SaveState,
+)
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
-from inshrink_store.policy.search_policy import Decision, PolicyArgs, SearchPolicy
+from inshrink_store.policy.search_policy import PolicyArgs, SearchPolicy
 from inshrink_store.policy.sensitivity import weights_from_fisher
 from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.shard_quant import (
@@ -58,13 +65,14 @@ from inshrink_store.policy.sketch import LogSketch
 
 __all__ = [
     "Allocation", "AllocationDecision", "AllocationPlanner", "BINS", "DEFAULT_CONFIG", "EMBEDDING_BINS", "LAYER_TYPES", "METRICS", "PROTECT", "PRUNE", "CandidatePlanner",
-    "Candidates", "Decision", "LogSketch", "PlanSet", "QuantConfig", "QuantSettings", "QuantizationRecord",
+    "Candidates", "LogSketch", "PlanSet", "QuantConfig", "QuantSettings", "QuantizationRecord",
     "QuantizedTensor", "RatioEstimator", "SearchPoint", "SearchPolicy", "SearchResult", "SearchSpace",
     "StatePlanner", "TensorInput", "fit_codebook", "is_quantizable", "layer_type", "prune_thresholds",
     "quantize_state", "quantize_tensor", "weighted_kmeans",
-    # what a save's decision needs beside the search (the Checkpointer's closed loop, moments, budget)
-    "MAX_LEVELS", "AdamHyper", "ClosedLoop", "DEFAULT_MOMENTS", "MomentPolicy", "MomentRecord", "PolicyArgs",
-    "QualityPredictor", "SaveBudget", "parent_bases", "weights_from_fisher", "with_moment_bases",
+    # one save's decision (closed loop or keyframe, which space, the fallback), and what it is made of
+    "RESIDUAL_SPACE", "ParentVersion", "SaveDecider", "SaveOutcome", "SaveRun", "SaveState",
+    "MAX_LEVELS", "AdamHyper", "DEFAULT_MOMENTS", "MomentPolicy", "MomentRecord", "PolicyArgs",
+    "weights_from_fisher",
     # a distributed save's decision: one codebook per tensor from the ranks' merged sketches
     "ShardQuantization", "ShardTarget", "decide_shards", "merge_sketches", "shard_plan", "shard_targets",
     "sketch_from_json", "sketch_to_json",

@@ -17,7 +17,11 @@ branch keeps its whole history) on a background thread; a gc that a commit in pr
 refuses is only logged and runs again after the next save.
 
 This module is the Checkpointer itself: the loop's side (gradient EMA, state copy) and the
-background save (search, commit, retries around gc) and restore. Beside it, in the torch
+background save (commit, retries around gc) and restore. What a save stores — closed loop or
+keyframe, which space, the keyframe fallback — is decided by the policy's one entry for it,
+:class:`~inshrink_store.policy.SaveDecider` (issue 45): this module hands it the state, the
+parent version read as data and an evaluator of candidates on its model, and writes what it
+returns. Beside it, in the torch
 layer: ``checkpointer_options`` checks its keywords, ``retention`` keeps the tags and runs
 the gc, ``quantized_eval`` runs ``eval_fn`` and the probe on a candidate's model, and
 ``extra_state`` holds :class:`RNGState` and what an ``extra_state`` entry must offer.
@@ -32,10 +36,9 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from typing_extensions import Unpack
 
 from inshrink_store.errors import (
@@ -48,21 +51,15 @@ from inshrink_store.errors import (
 )
 from inshrink_store.policy import (
     DEFAULT_CONFIG,
-    Candidates,
-    ClosedLoop,
-    Decision,
-    MomentPolicy,
+    ParentVersion,
     PolicyArgs,
-    QualityPredictor,
-    QuantConfig,
     QuantizationRecord,
-    SaveBudget,
-    SearchPoint,
+    SaveDecider,
+    SaveRun,
+    SaveState,
     SearchPolicy,
     SearchResult,
     SearchSpace,
-    parent_bases,
-    with_moment_bases,
 )
 from inshrink_store.repository import ANY_HEAD, AnyHead, check_commit_fields, replaced_branch_name
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
@@ -113,24 +110,6 @@ class _Job:
     copy_s: float
     staged: Staged  # the state's CUDA copies in flight: wait before reading them
     ema: dict[str, Any]  # model name -> gradient EMA (host), for sensitivity once staged lands
-
-
-#: where a closed-loop version's residuals are searched: a checkpoint interval's change is
-#: mostly noise around a few moving weights, so most of it is pruned (the element keeps its
-#: previous value, and a later residual corrects it), the rest coded with few levels
-RESIDUAL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.5, 0.8, 0.9, 0.95, 0.98), metrics=("magnitude",),
-                             protect=(0.0005, 0.005))
-
-
-def _on_axes(space: SearchSpace, previous: QuantConfig | None) -> bool:
-    """Whether ``previous`` is a point of ``space`` (the neighbourhood search needs one)."""
-    if previous is None:
-        return False
-    try:
-        space.index(SearchPoint.of(previous))
-    except FormatError:
-        return False
-    return True
 
 
 class Checkpointer:
@@ -223,8 +202,9 @@ class Checkpointer:
         #: the branch head the next commit replaces (a compare-and-swap): this Checkpointer's
         #: last save, or the head when it restored; ANY_HEAD before either
         self._expect_head: str | None | AnyHead = ANY_HEAD
-        self._previous: QuantConfig | None = None
-        self._previous_space: SearchSpace | None = None  # the search space _previous was found in
+        #: what the decisions carry from save to save: the last configuration and its space, and
+        #: the run's evaluations that rank a budgeted search's candidates (refilled by restore())
+        self._run = SaveRun()
         self._staging = HostStaging()
         self._checked_views = False  # the first save logs tensors that share memory as different views
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
@@ -239,9 +219,6 @@ class Checkpointer:
         self._gc = GcWorker(repo, branch, None if self.retention is None else self.retention.max_to_keep,
                             background=background and (self.retention is not None or exact_resume > 0))
         self.last_search: SearchResult | None = None
-        #: the run's evaluations (predicted error, quality drop) that rank a budgeted search's
-        #: candidates; refilled from the restored version's record by restore()
-        self._predictor = QualityPredictor()
         self._told_skipped = False  # the "optimizer state is not Adam-shaped" line is logged once
         #: per saved version, wall seconds: ``copy_s`` (the loop's copy), ``search_s`` (deciding
         #: what to store, ``eval_fn`` included), ``eval_s`` and ``evaluations`` (``eval_fn``'s share
@@ -250,6 +227,15 @@ class Checkpointer:
         self.timings: list[dict[str, float]] = []
         #: said with the first save (a Checkpointer that only restores stores nothing lossy)
         self._lossy_warning: str | None = options.lossy_warning()
+
+    @property
+    def decider(self) -> SaveDecider:
+        """The policy's one decision of each save (issue 45): closed loop or keyframe, which space,
+        the fallback (:mod:`inshrink_store.policy.save_decision`); this Checkpointer copies the
+        state, evaluates candidates on its model and commits. Made from the attributes as they
+        are now (``policy``, ``closed_loop``, ``exact_resume``, ``lossless``)."""
+        return SaveDecider(self.policy, closed_loop=self.closed_loop, resume_space=not self.exact_resume,
+                           lossless=self.lossless, stream=True)
 
     @property
     def last_gc(self) -> Any:
@@ -425,10 +411,7 @@ class Checkpointer:
             self._keeper.restored()
         recorded = info.metadata.get("quantization")
         record = None if recorded is None else QuantizationRecord.from_dict(recorded)
-        self._previous = None if record is None else record.config
-        self._predictor = QualityPredictor()
-        if record is not None:
-            self.policy.recall(record, self._predictor)  # the next save continues the run's fit
+        self._run.restored(record, self.policy)  # the next save continues the run's fit
         self._ema.clear()
         return info.step
 
@@ -457,30 +440,18 @@ class Checkpointer:
         # views, not copies: job.state is this save's own copy (staging.py), read-only from here on
         arrays, dtypes, skeleton = state_to_arrays(job.state, copy=False)
         parent, expected = self._commit_base()
-        evaluate: QuantizedEval | None = None
-        plans: Any = None
-        if self.lossless:
-            decision = Decision(None, QuantizationRecord(config=None, tolerance=self.policy.tolerance,
-                                                         higher_is_better=self.policy.higher_is_better))
-        else:
-            loop = self._closed_loop(arrays, parent) if self.closed_loop else None
-            # one budget for the whole save (its residual and keyframe searches share it)
-            budget = self.policy.save_budget(first=self._previous is None and not self._predictor.points)
-            if loop is not None and not loop.bases and budget.kind == "later":
-                self.policy.widen_for_keyframes(budget)  # a chain's new keyframe
-            decision, plans, evaluate = self._decide(job, arrays, dtypes, loop, parent, budget)
-            if loop is not None and loop.bases and decision.record.config is None \
-                    and decision.record.search is not None:
-                # no residual met the tolerance (the parents' reconstructions used up the
-                # tolerance): keyframes, with the first save's count of calls, before a
-                # lossless version
-                log.info("checkpoint at step %s: no closed-loop residual within tolerance; searching keyframes",
-                         job.step)
-                spent = evaluate
-                self.policy.widen_for_keyframes(budget)
-                decision, plans, evaluate = self._decide(job, arrays, dtypes, loop.keyframes(), parent, budget)
-                if evaluate is not None and spent is not None:
-                    evaluate.calls, evaluate.seconds = evaluate.calls + spent.calls, evaluate.seconds + spent.seconds
+        state = SaveState(arrays, dtypes, job.kinds, job.sensitivity, job.params,
+                          adam_hyper(job.state.get("optimizer")))
+        evaluator = None
+        if self.eval_fn is not None and job.eval_model is not None:
+            eval_fn, eval_model = self.eval_fn, job.eval_model
+            evaluator = lambda stored: QuantizedEval(eval_fn, eval_model, dtypes, model_state, stored)  # noqa: E731
+        decider = self.decider
+        outcome = decider.decide(state, ParentVersion.read(self.repo, parent, decider, state), self._run, evaluator)
+        if outcome.fell_back:
+            log.info("checkpoint at step %s: no closed-loop residual within tolerance; searched keyframes instead",
+                     job.step)
+        decision, plans, evaluate = outcome.decision, outcome.plans, outcome.evaluator
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if self.probe is not None and job.eval_model is not None:
@@ -513,7 +484,8 @@ class Checkpointer:
             log.warning("checkpoint at step %s: committed on %s, not on the head %s it replaces; that head is "
                         "kept as branch %r", job.step, str(parent)[:12], expected[:12],
                         replaced_branch_name(self.branch, expected))
-        self._parent, self._previous, self.last_search = info.id, decision.record.config, decision.record.search
+        self._parent, self.last_search = info.id, decision.record.search
+        self._run.committed(decision.record)
         self._expect_head = info.id
         self.timings.append({"copy_s": job.copy_s, "search_s": t_search,
                              "eval_s": evaluate.seconds if evaluate is not None else 0.0,
@@ -557,70 +529,6 @@ class Checkpointer:
                 "would drop each other's versions from its history: give each Checkpointer its own branch= "
                 "(restore('main') forks it), or call restore() to continue from the new head.")
 
-    def _decide(self, job: _Job, arrays: dict[str, Any], dtypes: dict[str, str], loop: ClosedLoop | None,
-                parent: str | None, budget: SaveBudget) -> tuple[Decision, Any, QuantizedEval | None]:
-        """The search of one save: its decision, the plans to write (closed-loop ones when
-        ``loop`` codes the weights) and the evaluator it used (None without ``eval_fn``)."""
-        searched = arrays if loop is None else loop.search_arrays(arrays)
-        sensitivity = job.sensitivity if loop is None else {
-            p: s for p, s in job.sensitivity.items() if p not in loop.bases}  # a residual: by magnitude
-        # joint moment pruning follows pruned *weights*; a residual's pruned elements are
-        # most of the tensor (they keep their value), so its moments are pruned on their own
-        params = job.params if loop is None else {k: p for k, p in job.params.items() if p not in loop.bases}
-        codecs = self._previous_codecs(parent)
-        moments = self.policy.optimizer
-        if self.closed_loop and isinstance(moments, MomentPolicy) and moments.closed_loop:
-            # Adam's moments too are coded against the parent's stored values (opt-in)
-            codecs = with_moment_bases(codecs, None if parent is None else self.repo.checkout(parent), arrays,
-                                       dtypes, self.repo.keyframe_interval)
-        candidates = Candidates(searched, dtypes, codecs, sensitivity=sensitivity,
-                                module_kinds=job.kinds, keep=self.policy.keep, optimizer_params=params,
-                                optimizer_hyper=adam_hyper(job.state.get("optimizer")),
-                                # errors on one scale for residuals and keyframes: against the live
-                                # weights, weighted by sensitivity wherever it was observed
-                                reference=arrays, error_weights=job.sensitivity,
-                                # a tensor unchanged since its closed-loop parent keeps the parent's
-                                # objects: estimated with the others, never quantized
-                                skip=frozenset() if loop is None else frozenset(loop.unchanged))
-        evaluate = None
-        if self.eval_fn is not None and job.eval_model is not None:
-            evaluate = QuantizedEval(self.eval_fn, job.eval_model, dtypes, job.state["model"],
-                                      None if loop is None else (lambda candidate: loop.plans(candidate, arrays)))
-        # without a restore residual a restart resumes from what is stored: search the
-        # policy's resume space, whose versions hold the tolerance over many restores (a
-        # closed-loop residual searched in RESIDUAL_SPACE met the tolerance at every save
-        # and still ended the evaluation's LM +11.8 % after 10 restores, against +2.3 %)
-        policy = self._search_policy(residual=loop is not None and bool(loop.bases))
-        # the neighbourhood search starts from the previous version's point only in the
-        # space that point came from (keyframes and residuals are searched apart)
-        came_from = self._previous_space
-        if came_from is None and self._previous is not None:
-            # after a restore: the space the restored version was searched in, told by its own
-            # objects (a residual's chunks are deltas). A keyframe's point that happens to lie
-            # on the residual space's axes is no start for residuals: on the CNN, the restored
-            # keyframe's 4 levels, 50 % pruned held for a whole chain that had reached 90-95 %
-            restored_residual = loop is not None and any(b.depth >= 1 for b in loop.all_bases.values())
-            came_from = self._search_policy(residual=restored_residual).space
-        same = policy.space == came_from and _on_axes(policy.space, self._previous)
-        previous = self._previous if same else None
-        self._previous_space = policy.space
-        # stream: the chosen plans are made as the writer reads them, one tensor at a time
-        decision = policy.decide(candidates, evaluate, previous=previous, budget=budget, predictor=self._predictor,
-                                 stream=True)
-        plans: Any = decision.plans
-        if loop is not None and decision.plans is not None:
-            plans = loop.plans(decision.plans, arrays)
-        return decision, plans, evaluate
-
-    def _search_policy(self, residual: bool) -> SearchPolicy:
-        """The policy a save searches with: the resume space without a restore residual; the
-        residual space for closed-loop residuals under the default space (a space the user
-        chose is kept for both keyframes and residuals)."""
-        policy = self.policy if self.exact_resume else self.policy.resuming()
-        if self.exact_resume and residual and policy.space == SearchSpace():
-            policy = replace(policy, space=RESIDUAL_SPACE)
-        return policy
-
     def _commit(self, arrays: dict[str, Any], *, quantize: Any, dtypes: dict[str, str], attributes: dict[str, Any],
                 parent: str | None, expect_head: str | None, step: int, metrics: dict[str, float] | None,
                 message: str, metadata: dict[str, Any], finish: Callable[[], dict[str, Any]],
@@ -648,19 +556,6 @@ class Checkpointer:
                     raise
                 log.warning("checkpoint at step %s: a gc fenced off this commit; retrying (%d/3)", step, attempt + 1)
         raise AssertionError("unreachable")
-
-    def _closed_loop(self, arrays: Mapping[str, Any], parent: str | None) -> ClosedLoop:
-        """This save's closed-loop coding: the float32 model tensors whose parent version
-        holds a closed-loop array (read from the store, so a restore or another writer's
-        parent is followed exactly)."""
-        paths = sorted(p for p, a in arrays.items() if p.startswith("model/") and getattr(a, "dtype", None) == np.float32)
-        reader = None if parent is None else self.repo.checkout(parent)
-        return ClosedLoop(paths, parent_bases(reader, paths, arrays), arrays, self.repo.keyframe_interval)
-
-    def _previous_codecs(self, parent: str | None) -> dict[str, dict[str, Any]]:
-        if parent is None:
-            return {}
-        return self.repo.codebooks(parent)
 
     # -- retention -------------------------------------------------------------------------
     def _retain(self, info: SnapshotInfo) -> None:

@@ -10,12 +10,21 @@ full state dict), the policy's ``base`` without ``eval_fn``, or nothing with
 ``dcp.save`` with an :class:`~inshrink_store.torch.dcp.InshrinkStorageWriter` quantizing
 with it, writing its own shards; the version's ``metadata["quantization"]`` records the
 decision as the Checkpointer's do. :meth:`restore` is ``dcp.load`` of a version (any world
-size) and continues the search from its configuration.
+size) and continues the search from its configuration and its recorded evaluations.
 
-What the single-process Checkpointer does and this does not (yet): the gradient EMA
-(pruning here is by magnitude), compressed optimizer moments (optimizer state is stored
-exactly), restore residuals (a restore gets the stored, quantized model weights),
-retention, background saves (``dcp.async_save`` with the writer is the way to overlap).
+The decision is the Checkpointer's own, :class:`~inshrink_store.policy.SaveDecider` (issue 45:
+one decision), with the closed loop off: the same budget, the run's predictor carried from save
+to save, the same rule for where the neighbourhood search starts. Why no closed loop: its
+residuals are coded per chunk against the parent's chunks and judged on the whole tensor's
+reconstruction, while each rank writes its own shards with one configuration from the merged
+sketches and has no residual coder (:mod:`inshrink_store.policy.save_decision` says more).
+
+What the single-process Checkpointer does and this does not (yet): closed-loop residuals
+(each version's weights are quantized afresh), the gradient EMA (pruning here is by
+magnitude), compressed optimizer moments (optimizer state is stored exactly), restore
+residuals (a restore gets the stored, quantized model weights; the search still runs in the
+policy's ``space``, not its ``resume_space``, as it always has here), retention, background
+saves (``dcp.async_save`` with the writer is the way to overlap).
 """
 
 from __future__ import annotations
@@ -26,7 +35,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from inshrink_store.errors import InvalidInputError
-from inshrink_store.policy import Candidates, QuantConfig, QuantizationRecord, SearchPolicy
+from inshrink_store.policy import (
+    ParentVersion,
+    QuantConfig,
+    QuantizationRecord,
+    SaveDecider,
+    SaveRun,
+    SaveState,
+    SearchPolicy,
+)
 from inshrink_store.torch.dcp import InshrinkStorageReader, InshrinkStorageWriter
 from inshrink_store.torch.dcp_comm import broadcast_json
 from inshrink_store.torch.quantized_eval import QuantizedEval
@@ -63,8 +80,9 @@ class DistributedCheckpointer:
         self.policy = policy if policy is not None else SearchPolicy()
         self.storage_options = dict(storage_options or {})
         self.process_group, self.gc_wait = process_group, gc_wait
-        #: the configuration of the last version saved or restored (continues the search)
-        self.previous: QuantConfig | None = None
+        #: the decisions' memory from save to save: the last configuration, its space, the run's
+        #: evaluations (rank 0's are the ones that count: it decides)
+        self._run = SaveRun()
         #: the record of the last save's decision (every rank has it)
         self.last_record: QuantizationRecord | None = None
 
@@ -83,7 +101,8 @@ class DistributedCheckpointer:
         except BaseException:
             writer.abort()
             raise
-        self.previous, self.last_record = record.config, record
+        self._run.committed(record)
+        self.last_record = record
         return str(metadata.storage_data["snapshot"])
 
     def restore(self, ref: str | None = None) -> int | None:
@@ -94,16 +113,26 @@ class DistributedCheckpointer:
         torch.distributed.checkpoint.load(dict(self.state), storage_reader=reader, process_group=self.process_group)
         info = reader.info
         recorded = info.metadata.get("quantization")
-        self.previous = None if recorded is None else QuantizationRecord.from_dict(recorded).config
+        self._run.restored(None if recorded is None else QuantizationRecord.from_dict(recorded), self.policy)
         return info.step
+
+    @property
+    def previous(self) -> QuantConfig | None:
+        """The configuration of the last version saved or restored (continues the search)."""
+        return self._run.previous
+
+    @property
+    def decider(self) -> SaveDecider:
+        """The policy's decision of each save: the Checkpointer's, open loop (see the module's
+        docstring), the optimizer's state exact, the policy's ``space`` searched."""
+        return SaveDecider(dataclasses.replace(self.policy, optimizer=None), lossless=self.lossless)
 
     def _decide(self) -> dict[str, Any]:
         """Rank 0's decision as a JSON-native QuantizationRecord."""
-        policy = self.policy
-        if self.lossless:
-            return QuantizationRecord(None, policy.tolerance, policy.higher_is_better).to_dict()
-        if self.eval_fn is None:
-            return QuantizationRecord(policy.base, policy.tolerance, policy.higher_is_better).to_dict()
+        decider = self.decider
+        if self.lossless or self.eval_fn is None:
+            return decider.unsearched().to_dict()
+        eval_fn = self.eval_fn
         model = copy.deepcopy(self.eval_model)  # on its own device, where eval_fn's batches are
         state = model.state_dict()
         if any(type(t).__name__ in ("DTensor", "ShardedTensor") for t in state.values()):
@@ -113,11 +142,11 @@ class DistributedCheckpointer:
         arrays, dtypes, _ = state_to_arrays({"model": state})
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in model.named_modules()
                  for p, _ in mod.named_parameters(recurse=False)}
-        candidates = Candidates(arrays, dtypes, {}, module_kinds=kinds, keep=policy.keep)
         originals = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
-        evaluate = QuantizedEval(self.eval_fn, model, dtypes, originals)
-        decision = dataclasses.replace(policy, optimizer=None).decide(candidates, evaluate, previous=self.previous)
-        return decision.record.to_dict()
+        # the parent's codebooks are the rank writers' to reuse: the decision reads nothing of it
+        outcome = decider.decide(SaveState(arrays, dtypes, kinds), ParentVersion(), self._run,
+                                 lambda stored: QuantizedEval(eval_fn, model, dtypes, originals, stored))
+        return outcome.decision.record.to_dict()
 
 
 def _rank(group: Any) -> int:

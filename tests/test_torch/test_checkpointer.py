@@ -587,7 +587,7 @@ def test_after_a_restore_residuals_start_from_the_restored_point_only_when_it_wa
     next a residual (the residual space). Restoring the keyframe must not start the next
     residual search from the keyframe's point, even where that point lies on the residual
     space's axes; restoring the residual continues its neighbourhood."""
-    from inshrink_store.torch.checkpointer import RESIDUAL_SPACE
+    from inshrink_store.policy import RESIDUAL_SPACE
 
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)

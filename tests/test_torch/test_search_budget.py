@@ -74,7 +74,7 @@ def test_a_restore_continues_within_the_later_budget() -> None:
     _, _, model2, opt2 = _problem()
     with Checkpointer(repo, model2, opt2, eval_fn=_accuracy(x, y), policy=BUDGETED, background=False) as ck2:
         ck2.restore()
-        assert ck2._predictor.points  # the restored record's evaluations
+        assert ck2._run.predictor.points  # the restored record's evaluations
         _train(model2, opt2, x, y, 10, ck2)
         info = ck2.save(20)
         assert ck2.timings[0]["evaluations"] <= 3
@@ -105,7 +105,7 @@ def test_a_keyframe_fallback_stays_within_the_save_s_budget(caplog: pytest.LogCa
         with caplog.at_level("INFO", logger="inshrink_store.torch.checkpointer"):
             info = ck.save(20)
         assert ck.timings[1]["evaluations"] <= BUDGETED.max_evals[0]
-    assert any("searching keyframes" in r.getMessage() for r in caplog.records)
+    assert any("searched keyframes" in r.getMessage() for r in caplog.records)
     q = info.metadata["quantization"]
     assert q["config"] is None  # nothing confirmed: lossless, never an unconfirmed candidate
     spent = q["search"]["budget"]
