@@ -9,7 +9,9 @@ and their first moments) changing slightly per version, so most objects are loss
 in chains of up to five links. Logical bytes: verify counts every version's tensors (it
 checks every object of all six), export the version's, diff both versions'. Each command runs
 ``--repeat`` times (default 3); the row is the run of least CPU time (a shared machine's other
-jobs only ever add to it), with the range of the others.
+jobs only ever add to it), with the range of the others. Each export writes a new file: the
+one the run before wrote is deleted first, untimed (replacing it made the export's rename
+free that file's pages, 0.05-0.15 CPU s, a cost of deleting the old file, not of exporting).
 
     python -m benchmarks cli_reads [STORE_DIR] [--repeat N] [--only verify export diff] [--chains]
     (the store is built there if missing; --only runs the commands whose names start so)
@@ -76,6 +78,8 @@ def measure(url: str, repeat: int = 3, only: tuple[str, ...] = ()) -> list[tuple
             runs = []
             for _ in range(repeat):
                 index.CACHE.clear()  # each run as a fresh process would find it: nothing decoded
+                for made in Path(tmp).iterdir():  # a new file, as a first export writes it (not timed)
+                    made.unlink()
                 wall, cpu = time.perf_counter(), time.process_time()
                 _cli(*args)
                 runs.append((time.perf_counter() - wall, time.process_time() - cpu))
