@@ -1,0 +1,130 @@
+"""No module of the package imports more than 12 of its other modules (issue 45, done-when:
+"no module importing more than 12 internal modules").
+
+A module that imports a dozen rooms of the house is doing a dozen rooms' work, or standing in
+a corridor everything passes through; either way a change anywhere reaches it. The count is a
+test so that it can only go down: a module over the cap that is not on :data:`OVER_CAP` fails
+here by name, and one on the list fails if it imports more than it did when the test was written.
+
+What counts: the distinct modules of ``inshrink_store`` a module imports at run time, resolved
+exactly as ``tests/test_house/test_two_doors.py`` resolves them (relative imports against the
+module's package; ``from pkg import name`` counts ``pkg.name`` when that is a module, else
+``pkg``; imports inside functions count). Imports under ``if TYPE_CHECKING:`` do not count:
+they are read by the type checker only, never run, and tie no room to another at import time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "inshrink_store"
+CAP = 12
+
+#: module -> the internal modules it imported when this test was written (main, ac1b61d), the
+#: most it may import until someone narrows it; remove the row when it is at or under the cap.
+OVER_CAP: dict[str, int] = {
+    "inshrink_store.policy": 17,  # the policy's one entry for the clients (issue 45, item 1)
+    "inshrink_store.repository": 15,
+    "inshrink_store.session": 15,
+    "inshrink_store.policy.allocation": 15,
+    "inshrink_store.policy.partition": 13,
+    "inshrink_store.policy.candidates": 13,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs)."""
+    found: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo += [node.test, *node.orelse]
+        else:
+            todo += ast.iter_child_nodes(node)
+    return found
+
+
+def internal_imports(module: str, source: str | None = None) -> set[str]:
+    """The other modules of the package ``module`` imports at run time (``source``: its text,
+    read from disk unless given)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text() if source is None else source)
+    found: set[str] = set()
+    for node in _run_time_nodes(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "inshrink_store"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            if origin.split(".")[0] != "inshrink_store":
+                continue
+            for alias in node.names:
+                sub = f"{origin}.{alias.name}"
+                found.add(sub if sub in MODULES else origin)
+    return found - {module}
+
+
+def fan_out() -> dict[str, int]:
+    return {module: len(internal_imports(module)) for module in MODULES}
+
+
+def test_no_module_imports_more_than_the_cap() -> None:
+    over = {m: n for m, n in fan_out().items() if n > CAP and m not in OVER_CAP}
+    assert not over, (f"modules importing more than {CAP} internal modules (issue 45: narrow them): "
+                      + ", ".join(f"{m} ({n})" for m, n in sorted(over.items())))
+
+
+def test_modules_over_the_cap_today_do_not_grow() -> None:
+    found = fan_out()
+    grown = {m: (found.get(m, 0), most) for m, most in OVER_CAP.items() if found.get(m, 0) > most}
+    assert not grown, "allow-listed modules import more than their ceiling: " + ", ".join(
+        f"{m} ({n}, ceiling {most})" for m, (n, most) in grown.items())
+
+
+def test_the_allow_list_names_modules_that_exist() -> None:
+    """A row for a module that was renamed or removed would keep a ceiling nobody checks."""
+    assert sorted(set(OVER_CAP) - set(MODULES)) == []
+
+
+def test_the_walk_resolves_imports_exactly() -> None:
+    """The walk can fail: relative imports resolve against the package, a submodule taken by
+    ``from`` counts as itself, a name counts as its module, a function's import counts, and
+    a TYPE_CHECKING import does not (its ``else`` does)."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import errors, layout\n"  # inshrink_store.repository -> inshrink_store.errors, .layout
+        "from .policy import SaveDecider\n"  # a name: counts inshrink_store.policy
+        "import inshrink_store.cas\n"
+        "if TYPE_CHECKING:\n"
+        "    from .storage import Storage\n"
+        "else:\n"
+        "    from .refs import Refs\n"
+        "def f():\n"
+        "    from .codecs.nuq import x\n"
+    )
+    assert internal_imports("inshrink_store.repository", source) == {
+        "inshrink_store.errors", "inshrink_store.layout", "inshrink_store.policy", "inshrink_store.cas",
+        "inshrink_store.refs", "inshrink_store.codecs.nuq"}
