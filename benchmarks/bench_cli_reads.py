@@ -14,7 +14,13 @@ one the run before wrote is deleted first, untimed (replacing it made the export
 free that file's pages, 0.05-0.15 CPU s, a cost of deleting the old file, not of exporting).
 
     python -m benchmarks cli_reads [STORE_DIR] [--repeat N] [--only verify export diff] [--chains]
+        [--against OTHER_TREE]
     (the store is built there if missing; --only runs the commands whose names start so)
+
+``--against OTHER_TREE`` compares this tree's code with another checkout's (``git worktree add
+/tmp/old COMMIT``), on a loaded machine: each tree in a long-lived process of its own (the
+commands run once first, untimed), the commands run in both alternately, command by command,
+``--repeat`` times (default 3), the order flipped every round; MB/s per core, best and median.
 
 ``--chains`` times the part the byte-plane chain decode changed, alone and in one process:
 ``ObjectStore.get`` of every chunk object of the newest version that is a lossless delta
@@ -87,6 +93,84 @@ def measure(url: str, repeat: int = 3, only: tuple[str, ...] = ()) -> list[tuple
     return out
 
 
+#: what --against runs in each tree: the commands named on stdin, one per line, each as measure
+#: runs them (after one untimed run of each), the CPU s of each printed; uses only the CLI and
+#: the index cache, so an older tree runs it too
+_SERVE = """
+import json, sys, tempfile, time
+from pathlib import Path
+from typer.testing import CliRunner
+from inshrink_store import index
+from inshrink_store._cli import app
+url, tmp = sys.argv[1], tempfile.mkdtemp()
+commands = {name: [a.replace("{tmp}", tmp) for a in args] for name, args in json.loads(sys.argv[2]).items()}
+def run(args):
+    for made in Path(tmp).iterdir():
+        made.unlink()
+    index.CACHE.clear()
+    cpu = time.process_time()
+    result = CliRunner().invoke(app, args)
+    if result.exit_code != 0:
+        raise SystemExit(f"inshrink {args} exited {result.exit_code}: {result.output}")
+    return time.process_time() - cpu
+for args in commands.values():
+    run(args)
+print("ready", flush=True)
+for line in sys.stdin:
+    print(run(commands[line.strip()]), flush=True)
+"""
+
+
+def alternate(url: str, other: Path, repeat: int = 3, only: tuple[str, ...] = ()) -> str:
+    """The ``--against`` table: MB/s per core of each command in ``other`` (another checkout)
+    and in this tree, run alternately in two long-lived processes."""
+    import json
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    repo = ins.open(url)
+    logical = sum(i.logical_bytes for i in repo.checkout("main").arrays().values())
+    commands = {
+        "verify": (["verify", url], len(repo.snapshot_ids()) * logical),
+        "export --all (.safetensors)": (["export", url, "main", "{tmp}/x.safetensors", "--all"], logical),
+        "export --all (.pt)": (["export", url, "main", "{tmp}/x.pt", "--all"], logical),
+        "diff --values": (["diff", url, "main~1", "main", "--values"], 2 * logical),
+    }
+    chosen = {name: c for name, c in commands.items() if not only or name.startswith(only)}
+    trees = {"other": other.resolve(), "this": Path(__file__).resolve().parents[1]}
+    workers = {}
+    for key, root in trees.items():
+        env = dict(os.environ, PYTHONPATH=str(root))
+        workers[key] = subprocess.Popen(
+            [sys.executable, "-c", _SERVE, url, json.dumps({n: a for n, (a, _) in chosen.items()})],
+            cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert workers[key].stdout is not None and workers[key].stdout.readline().strip() == "ready", key
+    cpu: dict[tuple[str, str], list[float]] = {(k, n): [] for k in trees for n in chosen}
+    loads = []
+    for round_ in range(repeat):
+        loads.append(os.getloadavg()[0])
+        for name in chosen:
+            for key in (("other", "this") if round_ % 2 == 0 else ("this", "other")):
+                worker = workers[key]
+                assert worker.stdin is not None and worker.stdout is not None
+                worker.stdin.write(name + "\n")
+                worker.stdin.flush()
+                cpu[(key, name)].append(float(worker.stdout.readline()))
+    for worker in workers.values():
+        assert worker.stdin is not None
+        worker.stdin.close()
+        worker.wait()
+    lines = [f"{other} against this tree, {repeat} runs of each alternated, load {min(loads):.1f}-{max(loads):.1f}", "",
+             "| command | other: best / median MB/s per core | this: best / median |", "|---|---|---|"]
+    for name, (_, read) in chosen.items():
+        cells = [f"{read / 1e6 / min(cpu[(k, name)]):.0f} / {read / 1e6 / statistics.median(cpu[(k, name)]):.0f}"
+                 for k in trees]
+        lines.append(f"| `{name}` | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def measure_chains(url: str, repeat: int = 3) -> str:
     """The ``--chains`` table: MB/s per core of the newest version's delta chunks, decoded in
     byte planes and link by link."""
@@ -135,9 +219,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=[], help="commands to run (default: all)")
     parser.add_argument("--chains", action="store_true", help="time the delta chains' decode alone")
+    parser.add_argument("--against", type=Path, help="another checkout: its code and this one's, alternated")
     args = parser.parse_args()
     if not (args.store / "inshrink.json").exists():
         build(str(args.store))
+    if args.against is not None:
+        print(alternate(str(args.store), args.against, args.repeat, tuple(args.only)))
+        return
     if args.chains:
         print(measure_chains(str(args.store), args.repeat))
         return
