@@ -16,6 +16,15 @@ from inshrink_store.torch.calibration import (
     calibration_hessians,
     calibration_weights,
 )
+from inshrink_store.torch.checkpoint_files import (
+    export_safetensors,
+    export_state,
+    export_tensors,
+    export_torch,
+    import_file,
+    load_checkpoint_file,
+    save_safetensors,
+)
 from inshrink_store.torch.checkpointer import (
     DEFAULT_CONFIG,
     BackgroundSaveError,
@@ -30,15 +39,8 @@ from inshrink_store.torch.tensors import (
     TORCH_DTYPES,
     array_to_tensor,
     arrays_to_state,
-    export_safetensors,
-    export_state,
-    export_tensors,
-    export_torch,
-    import_file,
-    load_checkpoint_file,
     load_state,
     load_state_report,
-    save_safetensors,
     save_state,
     state_to_arrays,
     tensor_to_array,

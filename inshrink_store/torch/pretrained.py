@@ -37,12 +37,8 @@ from typing import Any
 import xxhash
 
 from inshrink_store.errors import FormatError, NotFoundError, require
-from inshrink_store.torch.tensors import (
-    export_state,
-    reader_state,
-    save_safetensors,
-    write_atomically,
-)
+from inshrink_store.torch.checkpoint_files import export_state, save_safetensors, write_atomically
+from inshrink_store.torch.tensors import reader_state
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)

@@ -121,7 +121,7 @@ def test_verify_progress_counts_every_object_once(memory_url: str) -> None:
 
 def test_export_reads_the_same_tensors(memory_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("torch")
-    from inshrink_store.torch.tensors import export_tensors
+    from inshrink_store.torch.checkpoint_files import export_tensors
 
     repo = _chained(memory_url)
     reader = repo.checkout("main")
