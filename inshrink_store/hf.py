@@ -82,7 +82,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from numbers import Real
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from inshrink_store.errors import InvalidInputError, NotFoundError, require
 from inshrink_store.repository import open as open_repository
@@ -93,6 +93,9 @@ transformers = require("transformers", "hf")
 require("accelerate", "hf")  # the Trainer's own dependency: refused without it, name our extra
 if TYPE_CHECKING:
     from transformers import TrainerCallback as _TrainerCallback
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from inshrink_store.repository import Repository
 else:
     _TrainerCallback = transformers.TrainerCallback
 
@@ -126,9 +129,10 @@ class InshrinkCallback(_TrainerCallback):
 
     See the module docstring for how a resume works and what it gives back."""
 
-    def __init__(self, url: Any, **options: Any) -> None:
+    def __init__(self, url: str | os.PathLike[str] | Repository, **options: Any) -> None:
         _check_options(options)
-        self.repo = url if _is_repository(url) else open_repository(os.fspath(url), create=True)
+        self.repo: Repository = (url if _is_repository(url) else
+                                 open_repository(os.fspath(cast("str | os.PathLike[str]", url)), create=True))
         self.options = options
         self.branch: str = options.get("branch", "main")
         #: the Checkpointer of the current ``train()`` call (None before the first one)
@@ -185,7 +189,8 @@ class InshrinkCallback(_TrainerCallback):
         return None if head is None else str(head)
 
     # -- the Trainer's events --------------------------------------------------------------
-    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         """Made with the Trainer (``callbacks=[callback]``): check whether the callback can take
         the Trainer's saves (a warning says why not: :meth:`on_step_end`), and put the newest version where
         ``train(resume_from_checkpoint=True)`` looks, a ``checkpoint-N`` folder in
@@ -203,7 +208,8 @@ class InshrinkCallback(_TrainerCallback):
             return
 
         def make_folder(step: int | None) -> str:
-            folder = os.path.join(args.output_dir, f"{_CHECKPOINT_PREFIX}{step}")
+            # the Trainer sets output_dir in __post_init__ when it is not given
+            folder = os.path.join(cast(str, args.output_dir), f"{_CHECKPOINT_PREFIX}{step}")
             if step is None or os.path.lexists(folder):
                 raise FileExistsError(folder)
             os.makedirs(folder)
@@ -214,7 +220,8 @@ class InshrinkCallback(_TrainerCallback):
         except (NotFoundError, FileExistsError) as exc:   # not the callback's version, or a folder there
             log.info("no resume folder for resume_from_checkpoint=True: %s", exc)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         """Make this run's Checkpointer; when armed by :meth:`resume_path`, restore model,
         optimizer and scheduler now and keep the RNG states for the Trainer's RNG point."""
         _single_process(args)
@@ -244,16 +251,19 @@ class InshrinkCallback(_TrainerCallback):
         epoch = float(state.epoch or 0.0)
         self._rng_at_epoch = bool(args.ignore_data_skip) or epoch.is_integer()
 
-    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self._late_save(state, control)
         if self._rng_at_epoch:
             self._restore_rng()
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self._late_save(state, control)
         self._restore_rng()
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         """Take the save the Trainer is about to make (``control.should_save``, set by its
         ``DefaultFlowCallback``, which runs first): the Trainer writes no ``checkpoint-N``
         folder, and the callback saves the version at the point the Trainer would have saved,
@@ -262,23 +272,28 @@ class InshrinkCallback(_TrainerCallback):
         the Trainer's folders (:meth:`on_init_end` warned): then :meth:`on_save` saves."""
         self._take_save(state, control)
 
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self._take_save(state, control)
 
-    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         if self._due == "log":
             self._save_taken(state, control)
 
-    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         if self._due == "evaluate":
             self._save_taken(state, control)
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         """Feed the gradient EMA of a compressed store's search (a no-op when lossless)."""
         if self.checkpointer is not None and self.checkpointer.every:
             self.checkpointer.observe_gradients()
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         """One version per save the Trainer made itself (committed in the background by default)."""
         self._save(state)
 
@@ -328,7 +343,8 @@ class InshrinkCallback(_TrainerCallback):
             self.checkpointer.wait()  # the run's last save is taken even with on_busy="skip"
         self.checkpointer.save(state.global_step, metrics=_metrics(state), extra=extra)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         """Wait for the last save: ``train()`` returns with every version committed."""
         self._late_save(state, control)
         self.close()
@@ -427,7 +443,7 @@ def _check_options(options: Mapping[str, Any]) -> None:
     CheckpointerOptions(legacy=legacy, **given)   # raises what Checkpointer(...) would raise
 
 
-def _is_repository(url: Any) -> bool:
+def _is_repository(url: object) -> TypeGuard[Repository]:
     return callable(getattr(url, "save", None)) and callable(getattr(url, "checkout", None))
 
 

@@ -22,11 +22,18 @@ import numpy as np
 
 from inshrink_store.errors import FormatError, require
 from inshrink_store.structure import STRUCTURE_ATTR
-from inshrink_store.torch.tensors import TORCH_DTYPES, fresh_to_tensor, reader_state, save_state
+from inshrink_store.torch.tensors import (
+    TORCH_DTYPES,
+    ExactBits,
+    fresh_to_tensor,
+    reader_state,
+    save_state,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from inshrink_store import SnapshotReader
     from inshrink_store.plans import Planner
     from inshrink_store.policy import Allocation, MomentPolicy, QuantConfig
     from inshrink_store.repository import Repository, SaveOptions, SnapshotInfo
@@ -167,15 +174,15 @@ def _export_tensor(array: np.ndarray, name: str) -> Any:
 MODEL_PARTS = ("model", "state_dict")
 
 
-def model_part(reader: Any) -> str | None:
+def model_part(reader: SnapshotReader) -> str | None:
     """The top-level part of ``reader``'s version that holds the model's state dict (one of
     :data:`MODEL_PARTS`), or None when the version has none (a flat ``repo.save``)."""
     tops = _tops(reader)
     return next((part for part in MODEL_PARTS if part + "/" in tops), None)
 
 
-def export_tensors(reader: Any, *, include_all: bool = False,
-                   progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> dict[str, Any]:
+def export_tensors(reader: SnapshotReader, *, include_all: bool = False,
+                   progress: Callable[[str, int, int], None] | None = None, residual: ExactBits | None = None) -> dict[str, Any]:
     """What an export writes: the model tensors of a version under their state-dict names
     (without ``model/``, or a Lightning version's ``state_dict/``: :func:`model_part`), or
     every tensor under its full path with ``include_all`` (or when the version has no model
@@ -202,8 +209,8 @@ def export_tensors(reader: Any, *, include_all: bool = False,
 _EXPORT_BATCH = 32
 
 
-def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
-                       progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> int:
+def export_safetensors(reader: SnapshotReader, path: str | os.PathLike[str], *, include_all: bool = False,
+                       progress: Callable[[str, int, int], None] | None = None, residual: ExactBits | None = None) -> int:
     """Model tensors (names without the ``model/`` or a Lightning version's ``state_dict/``
     prefix: :func:`model_part`) of a version to a safetensors file
     (the exact bits with the version's ``residual``). With ``include_all``: every tensor under
@@ -223,8 +230,9 @@ def export_safetensors(reader: Any, path: str | os.PathLike[str], *, include_all
     return len(tensors)
 
 
-def export_state(reader: Any, *, include_all: bool = False,
-                 progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> Any:
+def export_state(reader: SnapshotReader, *, include_all: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None,
+                 residual: ExactBits | None = None) -> dict[str, Any]:
     """What :func:`export_torch` writes: the model's state dict by state-dict key (a Lightning
     version's ``state_dict``: :func:`model_part`), or with
     ``include_all`` the version's whole state as it was saved (``{"model": ..., "optimizer":
@@ -235,10 +243,11 @@ def export_state(reader: Any, *, include_all: bool = False,
     prefix = None if include_all else model_part(reader)
     if reader.attributes.get(STRUCTURE_ATTR) is None or not (include_all or prefix):
         return export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
-    return _numpy_as_tensors(reader_state(reader, prefix=prefix, residual=residual, progress=progress))
+    state: dict[str, Any] = _numpy_as_tensors(reader_state(reader, prefix=prefix, residual=residual, progress=progress))
+    return state
 
 
-def _tops(reader: Any) -> set[str]:
+def _tops(reader: SnapshotReader) -> set[str]:
     """The first components of a version's stored paths, each with its ``/``."""
     return {p.split("/", 1)[0] + "/" for p in reader.names()}
 
@@ -255,8 +264,8 @@ def _numpy_as_tensors(obj: Any) -> Any:
     return obj
 
 
-def export_torch(reader: Any, path: str | os.PathLike[str], *, include_all: bool = False,
-                 progress: Callable[[str, int, int], None] | None = None, residual: Any = None) -> int:
+def export_torch(reader: SnapshotReader, path: str | os.PathLike[str], *, include_all: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None, residual: ExactBits | None = None) -> int:
     """:func:`export_state` to a ``torch.save`` file (temp file, then rename) that loads with
     ``torch.load(weights_only=True)``: ``model.load_state_dict(torch.load(path))``, or with
     ``include_all`` ``loaded["model"]`` and ``loaded["optimizer"]`` into the model and its

@@ -63,7 +63,7 @@ from inshrink_store.policy import (
 )
 from inshrink_store.repository import ANY_HEAD, AnyHead, check_commit_fields, replaced_branch_name
 from inshrink_store.structure import PARAM_NAMES_ATTR, STRUCTURE_ATTR, flatten
-from inshrink_store.torch.checkpointer_options import CheckpointerOptions, OnBusy
+from inshrink_store.torch.checkpointer_options import CheckpointerOptions, OnBusy, Probe
 from inshrink_store.torch.extra_state import RNGState, load_into, state_of
 from inshrink_store.torch.optim import adam_hyper, load_optimizer_state, param_paths
 from inshrink_store.torch.quantized_eval import QuantizedEval, probe_similarity
@@ -80,6 +80,9 @@ from inshrink_store.torch.tensors import (
 if TYPE_CHECKING:  # annotations only; at run time torch comes from require() (tensors.py)
     import torch as _torch
 
+    from inshrink_store import GcReport
+    from inshrink_store.plans import Planner
+    from inshrink_store.policy import MomentPolicy
     from inshrink_store.repository import Repository, SnapshotInfo
 
 log = logging.getLogger(__name__)
@@ -174,7 +177,7 @@ class Checkpointer:
                  branch: str = "main", background: bool = True, gc_wait: float = 600.0,
                  lossless: bool = False, retention: Retention | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, extra_state: Mapping[str, Any] | None = None,
-                 exact_resume: int = 1, closed_loop: bool = True, probe: Any = None,
+                 exact_resume: int = 1, closed_loop: bool = True, probe: Probe | None = None,
                  on_busy: OnBusy = "wait", **legacy: Unpack[PolicyArgs]) -> None:
         options = CheckpointerOptions(  # raises what a bad keyword gets
             eval_fn=eval_fn, every=every, policy=policy, legacy=legacy, ema_batches=ema_batches, branch=branch,
@@ -238,7 +241,7 @@ class Checkpointer:
                            lossless=self.lossless, stream=True)
 
     @property
-    def last_gc(self) -> Any:
+    def last_gc(self) -> GcReport | None:
         """The GcReport of the last retention gc that ran (None before one has)."""
         return self._gc.last_report
 
@@ -256,7 +259,7 @@ class Checkpointer:
         return self.policy.space
 
     @property
-    def optimizer_policy(self) -> Any:
+    def optimizer_policy(self) -> Planner | MomentPolicy | str | None:
         return self.policy.optimizer
 
     @property

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from inshrink_store.errors import FormatError, InvalidInputError
 from inshrink_store.policy import MomentPolicy, SearchPolicy
@@ -27,12 +27,19 @@ from inshrink_store.torch.extra_state import check_stateful
 from inshrink_store.torch.retention import Retention
 from inshrink_store.torch.tensors import torch
 
+if TYPE_CHECKING:
+    import torch as _torch
+
 __all__ = ["ON_BUSY", "CheckpointerOptions", "OnBusy"]
 
 #: what ``save`` does while the previous background save is still running
 OnBusy = Literal["wait", "skip"]
 ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
 
+
+#: ``probe=``: a batch the model takes, a tensor, a tuple or list (``model(*probe)``) or a
+#: dict (``model(**probe)``); what is inside the tuple or dict is the model's business
+Probe: TypeAlias = "_torch.Tensor | tuple[Any, ...] | list[Any] | Mapping[str, Any]"
 
 @dataclass(frozen=True, eq=False)
 class CheckpointerOptions:
@@ -61,7 +68,7 @@ class CheckpointerOptions:
     extra_state: Mapping[str, Any] | None = None
     exact_resume: int = 1
     closed_loop: bool = True
-    probe: Any = None
+    probe: Probe | None = None
     on_busy: OnBusy = "wait"
     #: ``retention=``, or the Retention ``max_to_keep=`` / ``keep_every_n_steps=`` make (None: no retention)
     resolved_retention: Retention | None = field(init=False)

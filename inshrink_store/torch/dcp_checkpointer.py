@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from inshrink_store.errors import InvalidInputError
 from inshrink_store.policy import (
@@ -49,6 +49,10 @@ from inshrink_store.torch.dcp_comm import broadcast_json
 from inshrink_store.torch.quantized_eval import QuantizedEval
 from inshrink_store.torch.tensors import state_to_arrays, torch
 
+if TYPE_CHECKING:
+    import torch as _torch
+    from torch.distributed import ProcessGroup
+
 __all__ = ["DistributedCheckpointer"]
 
 
@@ -62,9 +66,9 @@ class DistributedCheckpointer:
     over (None: the default group)."""
 
     def __init__(self, url: str, state: Mapping[str, Any], *, eval_fn: Callable[[Any], float] | None = None,
-                 eval_model: Any = None, policy: SearchPolicy | None = None, lossless: bool = False,
+                 eval_model: _torch.nn.Module | None = None, policy: SearchPolicy | None = None, lossless: bool = False,
                  branch: str = "main", storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None, gc_wait: float = 600.0) -> None:
+                 process_group: ProcessGroup | None = None, gc_wait: float = 600.0) -> None:
         if not isinstance(state, Mapping):
             raise InvalidInputError(
                 f"Expected state to be a dict such as {{'model': model, 'optim': optimizer}}. Got "
@@ -133,7 +137,8 @@ class DistributedCheckpointer:
         if self.lossless or self.eval_fn is None:
             return decider.unsearched().to_dict()
         eval_fn = self.eval_fn
-        model = copy.deepcopy(self.eval_model)  # on its own device, where eval_fn's batches are
+        # on its own device, where eval_fn's batches are; __init__ refused eval_fn without it on rank 0
+        model = copy.deepcopy(cast("_torch.nn.Module", self.eval_model))
         state = model.state_dict()
         if any(type(t).__name__ in ("DTensor", "ShardedTensor") for t in state.values()):
             raise InvalidInputError(

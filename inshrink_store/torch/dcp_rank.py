@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -43,6 +43,9 @@ from inshrink_store.rank_writer import RankArrays
 from inshrink_store.torch.dcp_comm import gather_json
 from inshrink_store.torch.dcp_format import bytes_path, plain_value, shard_path
 from inshrink_store.torch.tensors import TORCH_DTYPES, infer_module_kinds, tensor_to_array, torch
+
+if TYPE_CHECKING:
+    import torch as _torch
 
 __all__ = ["WRITE_BATCH_BYTES", "RankSetup", "RankWrite", "quantize_targets"]
 
@@ -133,7 +136,8 @@ class RankWrite:
         return results
 
     def _array(self, item: WriteItem) -> tuple[np.ndarray, str]:
-        return tensor_to_array(self.planner.resolve_data(item), item.index.fqn, copy=False)
+        # a tensor item (bytes items are written apart): resolve_data gives its tensor
+        return tensor_to_array(cast("_torch.Tensor", self.planner.resolve_data(item)), item.index.fqn, copy=False)
 
     def _decisions(self, tensors: Sequence[WriteItem]) -> dict[str, ShardQuantization]:
         """With quantization on: sketch this rank's shards, gather every rank's sketches, and

@@ -17,7 +17,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
@@ -45,6 +45,9 @@ from inshrink_store.torch.dcp_format import DOC_ATTR, Chunk, DcpDocument, Tensor
 from inshrink_store.torch.dcp_rank import RankSetup, RankWrite, quantize_targets
 from inshrink_store.torch.dcp_reader import CheckpointIdIsTheUrl, checkpoint_url, previous_codebooks
 from inshrink_store.torch.tensors import TORCH_DTYPES, torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["InshrinkStorageWriter"]
 
@@ -84,7 +87,7 @@ class InshrinkStorageWriter(CheckpointIdIsTheUrl, StorageWriter):
     def __init__(self, url: str | os.PathLike[str], branch: str = "main", *, quantize: QuantConfig | None = None,
                  storage_options: Mapping[str, Any] | None = None, message: str = "", step: int | None = None,
                  metrics: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
-                 gc_wait: float = GC_WAIT, rebase: bool = False, process_group: Any = None) -> None:
+                 gc_wait: float = GC_WAIT, rebase: bool = False, process_group: ProcessGroup | None = None) -> None:
         super().__init__()
         if quantize is not None and not isinstance(quantize, QuantConfig):
             raise InvalidInputError(

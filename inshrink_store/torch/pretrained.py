@@ -32,13 +32,16 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from inshrink_store.errors import FormatError, NotFoundError, require
 from inshrink_store.torch.checkpoint_files import export_state, save_safetensors, write_atomically
-from inshrink_store.torch.tensors import reader_state
+from inshrink_store.torch.tensors import ExactBits, reader_state
+
+if TYPE_CHECKING:
+    from inshrink_store import SnapshotReader
 
 torch = require("torch", "torch")
 log = logging.getLogger(__name__)
@@ -86,9 +89,9 @@ def config_json(model: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def export_pretrained(reader: Any, directory: str | os.PathLike[str], *,
+def export_pretrained(reader: SnapshotReader, directory: str | os.PathLike[str], *,
                       config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                      copy_from: str | os.PathLike[str] | None = None, residual: Any = None,
+                      copy_from: str | os.PathLike[str] | None = None, residual: ExactBits | None = None,
                       progress: Callable[[str, int, int], None] | None = None) -> PretrainedExport:
     """Write ``reader``'s version to ``directory`` (created if missing) as ``save_pretrained``
     would: ``model.safetensors`` and ``config.json`` (module docstring: where the config comes

@@ -35,6 +35,7 @@ from inshrink_store.errors import (
 )
 
 if TYPE_CHECKING:
+    from inshrink_store import GcReport
     from inshrink_store.repository import Repository, SnapshotInfo
 
 #: the Checkpointer's logger, not this module's: users filter retention's lines by that name
@@ -342,7 +343,7 @@ class GcWorker:
         self._due = self._running = False
         self._idle = threading.Event()
         self._idle.set()
-        self.last_report: Any = None  # the GcReport of the last gc that ran
+        self.last_report: GcReport | None = None  # the GcReport of the last gc that ran
 
     def wait_idle(self) -> None:
         """Block until no gc runs or is due."""

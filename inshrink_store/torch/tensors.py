@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import numpy as np
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # annotations only; at run time torch comes from require() be
     import torch as _torch
     from typing_extensions import Unpack
 
+    from inshrink_store import SnapshotReader
     from inshrink_store.plans import Planner, Quantize
     from inshrink_store.policy import Allocation, MomentPolicy, QuantConfig
     from inshrink_store.repository import Repository, SaveOptions, SnapshotInfo
@@ -65,7 +66,7 @@ def _bit_view(entry: dtypes.DType) -> tuple[np.dtype, Any]:
     return signed, _BY_NAME[dtypes.of_array(np.empty(0, signed)).name]
 
 
-def tensor_to_array(tensor: Any, path: str, copy: bool = True) -> tuple[np.ndarray, str]:
+def tensor_to_array(tensor: _torch.Tensor, path: str, copy: bool = True) -> tuple[np.ndarray, str]:
     """A contiguous CPU numpy copy and the logical dtype name; unsupported dtypes are errors.
 
     ``copy=False`` (a save that ends before the caller goes on) gives a read-only view of a
@@ -99,14 +100,14 @@ def tensor_to_array(tensor: Any, path: str, copy: bool = True) -> tuple[np.ndarr
     return view, name
 
 
-def array_to_tensor(array: np.ndarray, name: str) -> Any:
+def array_to_tensor(array: np.ndarray, name: str) -> _torch.Tensor:
     if name not in _BY_NAME:
         raise FormatError(f"Expected a logical dtype in {sorted(_BY_NAME)}. Got {name!r} instead.")
     array = np.array(array, order="C", copy=True)  # not ascontiguousarray: it makes 0-d arrays 1-d
     entry = dtypes.get(name)
     if entry.carried_as_bits:
-        return torch.from_numpy(array.view(_bit_view(entry)[0])).view(_BY_NAME[name])
-    return torch.from_numpy(array)
+        return cast("_torch.Tensor", torch.from_numpy(array.view(_bit_view(entry)[0])).view(_BY_NAME[name]))
+    return cast("_torch.Tensor", torch.from_numpy(array))
 
 
 def numpy_to_array(array: np.ndarray, path: str, copy: bool = True) -> tuple[np.ndarray, str]:
@@ -352,8 +353,17 @@ def load_state_report(repo: Repository, ref: str = "main", *, map_location: str 
     return state, not quantized or (residual is not None and residual.covers(quantized))
 
 
-def reader_state(reader: Any, *, map_location: Any = None, prefix: str | None = None,
-                 residual: Any = None, progress: Callable[[str, int, int], None] | None = None) -> Any:
+class ExactBits(Protocol):
+    """A version's restore residual as the readers here use it (``Repository.residual(ref)``
+    gives one): the exact bits of a stored tensor. A protocol, so that the clients name the
+    one method they call rather than the store's residual module (the two doors)."""
+
+    def exact(self, path: str, stored: np.ndarray) -> np.ndarray: ...
+
+
+def reader_state(reader: SnapshotReader, *, map_location: str | _torch.device | None = None,
+                 prefix: str | None = None, residual: ExactBits | None = None,
+                 progress: Callable[[str, int, int], None] | None = None) -> Any:
     """The state of ``reader``'s version (see :func:`load_state`); ``progress(path, done,
     total)`` after each tensor read."""
     device = _device(map_location)
