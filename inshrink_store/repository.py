@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -33,12 +33,14 @@ from inshrink_store.layout import CONFIG_FILE
 from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit_fields, utc_now
 from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
 from inshrink_store.plans import Planner, Quantize, check_quantize
-from inshrink_store.reader import SnapshotReader
 from inshrink_store.refs import Refs, check_name, replaced_branch_name
 from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
 from inshrink_store.session import ANY_HEAD, AnyHead, WriteSession, open_session
 from inshrink_store.storage import Storage, open_storage
-from inshrink_store.zarr_store import InshrinkStore
+
+if TYPE_CHECKING:  # annotations only
+    from inshrink_store.reader import SnapshotReader
+    from inshrink_store.zarr_store import InshrinkStore
 
 #: how long a commit waits for a running gc before GcRunningError (a dead gc is recognised
 #: after leases.EXPIRY seconds without renewal, or at once on its own machine)

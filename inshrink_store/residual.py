@@ -38,6 +38,7 @@ import xxhash
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.cas import ObjectStore, undecodable
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES, ByteGroup
+from inshrink_store.codecs.nuq import quantizer
 from inshrink_store.errors import FormatError, InshrinkError, IntegrityError, NotFoundError
 from inshrink_store.layout import check_id, residual_path
 from inshrink_store.manifest import canonical_json, content_id, parse_document
@@ -298,3 +299,16 @@ def near_heads(history: Any, heads: Iterable[str],
 def keeps(distance: int, ref: ResidualRef | None) -> bool:
     """Whether a version ``distance`` steps below its branch head keeps its residual."""
     return ref is not None and distance < ref.keep_newest
+
+
+def stored_values(values: np.ndarray, codec: Any, name: str) -> np.ndarray:
+    """The values a reader will get back for a plan's ``values`` under its ``codec`` (its
+    serializer) as logical dtype ``name``, what the residual is taken against: the values,
+    except that a NaN or Inf the codec keeps as a protected value comes back in the protected
+    dtype (a NaN payload can change), so those tensors go through the codec once."""
+    values = np.asarray(values)
+    entry = dtype_registry.get(name)
+    if not entry.is_float or not hasattr(codec, "codebook") or np.isfinite(entry.to_float32(values)).all():
+        return values
+    q = quantizer(tuple(codec.codebook), codec.tolerance, codec.protected_dtype, str(entry.codec_name))
+    return np.asarray(q.decode(q.encode(values.reshape(-1)))).reshape(values.shape)

@@ -25,7 +25,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
@@ -34,19 +34,20 @@ from zarr.storage import MemoryStore
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store import leases
 from inshrink_store import residual as residual_module
-from inshrink_store.codecs.nuq import quantizer
 from inshrink_store.errors import ConflictError, InshrinkError, InvalidInputError, NotFoundError
-from inshrink_store.history import SnapshotInfo
 from inshrink_store.index import METADATA_KEY, Entry, SnapshotIndex
 from inshrink_store.layout import check_id, object_path, snapshot_path, tree_path
 from inshrink_store.manifest import NodeTree, RootTree, Snapshot, check_commit_fields, utc_now
 from inshrink_store.parallel import map_in_order
-from inshrink_store.parts import StoreParts
 from inshrink_store.plans import ArrayPlan, Planner, Quantize, check_quantize
 from inshrink_store.refs import replaced_branch_name
 from inshrink_store.residual import META_KEY, ResidualArray, ResidualRef, ResidualWriter
 from inshrink_store.writer import check_path, prepare_arrays, previous_codecs, write_arrays
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
+
+if TYPE_CHECKING:  # annotations only
+    from inshrink_store.history import SnapshotInfo
+    from inshrink_store.parts import StoreParts
 
 Progress = Callable[[str, int, int], None]
 #: chunk keys taken without splitting them into parts: ``c/0/1`` (zarr v3's default), ``0.1``
@@ -79,7 +80,7 @@ class _Recording(Mapping[str, ArrayPlan]):
         plan = self._plans[path]
         original = np.asarray(self._tensors[path])
         name = dtype_registry.of_array(original, self._dtypes.get(path), path).name
-        self._residual.add(path, original, _as_stored(plan, name), name)
+        self._residual.add(path, original, residual_module.stored_values(plan.values, plan.serializer, name), name)
         return plan
 
     def __iter__(self) -> Any:
@@ -90,19 +91,6 @@ class _Recording(Mapping[str, ArrayPlan]):
 
     def __contains__(self, path: object) -> bool:
         return path in self._plans
-
-
-def _as_stored(plan: ArrayPlan, name: str) -> np.ndarray:
-    """The values a reader will get back for ``plan``: its values, except that a NaN or Inf
-    the codec keeps as a protected value comes back in the protected dtype (a NaN payload
-    can change), so those tensors go through the codec once."""
-    values = np.asarray(plan.values)
-    entry = dtype_registry.get(name)
-    codec = plan.serializer
-    if not entry.is_float or not hasattr(codec, "codebook") or np.isfinite(entry.to_float32(values)).all():
-        return values
-    q = quantizer(tuple(codec.codebook), codec.tolerance, codec.protected_dtype, str(entry.codec_name))
-    return np.asarray(q.decode(q.encode(values.reshape(-1)))).reshape(values.shape)
 
 
 class WriteSession:

@@ -24,7 +24,6 @@ import functools
 import itertools
 import json
 import math
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,7 +48,7 @@ from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec, carrier
 from inshrink_store.codecs.nuq import NUQZarrCodec
 from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.index import ATTR, METADATA_KEY, SnapshotIndex
-from inshrink_store.parallel import map_in_order
+from inshrink_store.parallel import map_in_order, write_threads
 from inshrink_store.plans import ArrayPlan, ObjectCoder
 from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChunks
 
@@ -512,18 +511,6 @@ def _parent_content(store: InshrinkStore, path: str) -> str | None:
         return None  # a damaged parent tree: write the tensor afresh
     content = info.attributes.get("content") if info is not None else None
     return content if isinstance(content, str) else None
-
-
-def write_threads() -> int:
-    """Tensors written at once: ``INSHRINK_WRITE_THREADS`` if set, else the cores (at most 8)."""
-    configured = os.environ.get("INSHRINK_WRITE_THREADS")
-    if configured is not None:
-        if not configured.isdigit() or int(configured) < 1:
-            raise FormatError(
-                f"Expected INSHRINK_WRITE_THREADS to be a whole number >= 1. Got {configured!r} instead."
-            )
-        return int(configured)
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 def previous_codecs(parent: SnapshotChunks | SnapshotIndex | Any | None) -> dict[str, dict[str, Any]]:

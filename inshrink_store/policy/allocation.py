@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store.errors import FormatError
-from inshrink_store.parallel import map_in_order
+from inshrink_store.parallel import map_in_order, write_threads
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.channels import (
     MAX_SCALE,
@@ -33,11 +33,10 @@ from inshrink_store.policy.channels import (
     scalable,
     scaled_quantize,
 )
-from inshrink_store.policy.compensation import compensated_rounding, protected_positions
+from inshrink_store.policy.compensation import compensated
 from inshrink_store.policy.config import PROTECTED_DTYPES, QuantConfig
 from inshrink_store.policy.partition import (
     PartitionCache,
-    QuantizedTensor,
     TensorInput,
     protected_mask,
     quantize_tensor,
@@ -47,9 +46,6 @@ from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.rate_distortion import LADDER, Option, allocate, tensor_options
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
 from inshrink_store.policy.sensitivity import role_weights, weights_from_sensitivity
-from inshrink_store.policy.sketch import LogSketch
-from inshrink_store.policy.snapping import error_stats
-from inshrink_store.writer import write_threads
 
 
 def _positive(v: Any) -> bool:
@@ -237,8 +233,7 @@ class AllocationPlanner:
             w = np.ascontiguousarray(t.values, np.float32)
             protected = protected_mask(w, t.sensitivity, spec.protect)
             # the same key quantize_tensor uses for the rest of an unpruned tensor: fitted once
-            sketch = self.cache.sketch((path, spec.protect, None, None),
-                                       lambda: LogSketch.from_values(w, mask=~protected))
+            sketch = self.cache.unprotected_sketch((path, spec.protect, None, None), w, protected)
             options = tensor_options(w, dtype=str(t.dtype), protect=spec.protect,
                                      protected_dtype=spec.protected_dtype, sensitivity=t.sensitivity,
                                      ladder=spec.levels, lossless_bytes=estimator.lossless_bytes_of(path),
@@ -249,8 +244,7 @@ class AllocationPlanner:
                 # form removes more cost per byte (scales included in the bytes)
                 u = normalised(w, scales)
                 kept = protected_mask(u, t.sensitivity, spec.protect)
-                u_sketch = self.cache.sketch((f"{path}#scaled", spec.protect, None, None),
-                                             lambda: LogSketch.from_values(u, mask=~kept))
+                u_sketch = self.cache.unprotected_sketch((f"{path}#scaled", spec.protect, None, None), u, kept)
                 options += tensor_options(u, dtype=str(t.dtype), protect=spec.protect,
                                           protected_dtype=spec.protected_dtype, ladder=spec.levels,
                                           sketch=u_sketch, protected=kept, column_scales=scales,
@@ -282,20 +276,6 @@ class AllocationPlanner:
         """Every chosen tensor quantized now (a search evaluates them all at once)."""
         plans = _LazyPlans(self, inputs, levels, dtypes, scaled)
         return {p: plans[p] for p in plans}
-
-
-def compensated(q: QuantizedTensor, t: TensorInput, hessian: np.ndarray) -> QuantizedTensor:
-    """``q`` with its centres re-chosen to minimise the layer's output error (same codebook,
-    scales and protected values, so the same kind of plan)."""
-    w = np.asarray(t.values, np.float32)
-    scales = None if q.scales is None else np.asarray(q.scales, np.float32)
-    held = protected_positions(q.values, np.asarray(q.codebook, np.float32), scales)
-    values = compensated_rounding(w, q.values, np.asarray(q.codebook, np.float32), hessian,
-                                  protected=held, scales=scales)
-    stats = dict(q.stats)
-    stats["compensated"] = True
-    stats["rel_l2_error"], stats["max_abs_error"] = error_stats(w, values)
-    return QuantizedTensor(values, q.codebook, stats, q.scales)
 
 
 def decide(spec: Allocation, options: Mapping[str, list[Option]], estimator: RatioEstimator,

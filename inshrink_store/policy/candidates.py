@@ -23,7 +23,7 @@ import numpy as np
 
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
-from inshrink_store.parallel import map_in_order
+from inshrink_store.parallel import map_in_order, write_threads
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy.config import QuantConfig
 from inshrink_store.policy.estimate import estimated_bytes
@@ -38,7 +38,6 @@ from inshrink_store.policy.planner import array_plan, eligible, tensor_inputs
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.ratio import RatioEstimator, ratio_of
 from inshrink_store.policy.streaming import StreamedPlanSet, WeightStream
-from inshrink_store.writer import write_threads
 
 #: candidate plan sets held at once during a search (each about the model's size)
 KEEP = 2

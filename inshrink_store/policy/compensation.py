@@ -25,6 +25,8 @@ import numpy as np
 
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
+from inshrink_store.policy.partition import QuantizedTensor, TensorInput
+from inshrink_store.policy.snapping import error_stats
 
 #: damping added to H's diagonal, as a fraction of its mean (keeps the inverse well posed
 #: when calibration inputs do not span every direction)
@@ -88,3 +90,17 @@ def protected_positions(planned: np.ndarray, centres: np.ndarray, scales: np.nda
             on = np.multiply(c32[ids], s32, dtype=np.float32) == p
     result: np.ndarray = ~on
     return result
+
+
+def compensated(q: QuantizedTensor, t: TensorInput, hessian: np.ndarray) -> QuantizedTensor:
+    """``q`` with its centres re-chosen to minimise the layer's output error (same codebook,
+    scales and protected values, so the same kind of plan)."""
+    w = np.asarray(t.values, np.float32)
+    scales = None if q.scales is None else np.asarray(q.scales, np.float32)
+    held = protected_positions(q.values, np.asarray(q.codebook, np.float32), scales)
+    values = compensated_rounding(w, q.values, np.asarray(q.codebook, np.float32), hessian,
+                                  protected=held, scales=scales)
+    stats = dict(q.stats)
+    stats["compensated"] = True
+    stats["rel_l2_error"], stats["max_abs_error"] = error_stats(w, values)
+    return QuantizedTensor(values, q.codebook, stats, q.scales)

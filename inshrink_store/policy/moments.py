@@ -51,7 +51,7 @@ import numpy as np
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
-from inshrink_store.parallel import map_in_order
+from inshrink_store.parallel import map_in_order, write_threads
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.policy import moment_loop
 from inshrink_store.policy.moment_codebooks import (
@@ -65,7 +65,6 @@ from inshrink_store.policy.partition import QuantizedTensor, sum_of_products
 from inshrink_store.policy.planner import array_plan
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.sketch import BLOCK
-from inshrink_store.writer import write_threads
 
 M_KEY, V_KEY = "exp_avg", "exp_avg_sq"
 #: the newest ``metadata["moments"]`` record read; one written is version 1 unless it needs 2
@@ -199,7 +198,7 @@ class MomentPolicy:
                    residual_alpha=EXCP_ALPHA)
 
     @classmethod
-    def from_dict(cls, data: Any) -> MomentPolicy:
+    def from_dict(cls, data: object) -> MomentPolicy:
         if not isinstance(data, Mapping):
             raise FormatError(f"Expected a MomentPolicy dict. Got {type(data).__name__} instead.")
         unknown = sorted(str(k) for k in data if k not in cls.__dataclass_fields__)
@@ -329,7 +328,7 @@ class MomentRecord:
                 "skipped": self.skipped}
 
     @classmethod
-    def from_dict(cls, data: Any) -> MomentRecord:
+    def from_dict(cls, data: object) -> MomentRecord:
         """Read ``metadata["moments"]``; a FormatError names what is wrong."""
         if not isinstance(data, Mapping) or not isinstance(data.get("tensors", {}), Mapping):
             raise FormatError(

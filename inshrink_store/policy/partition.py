@@ -31,7 +31,7 @@ from inshrink_store.codecs import _zstd
 from inshrink_store.codecs.nuq import protected_values
 from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
-from inshrink_store.parallel import map_in_order
+from inshrink_store.parallel import map_in_order, write_threads
 from inshrink_store.policy.codebook_choice import choose_codebook
 from inshrink_store.policy.kmeans import fit_codebook
 from inshrink_store.policy.protection import (
@@ -43,7 +43,6 @@ from inshrink_store.policy.protection import (
 from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.sketch import BLOCK, KeyedValues, LogSketch
 from inshrink_store.policy.snapping import error_stats, snap_pruned
-from inshrink_store.writer import write_threads
 
 __all__ = [
     "LAYER_TYPES", "Part", "QuantizedTensor", "TensorInput", "fit_codebook", "is_quantizable", "layer_type",
@@ -305,6 +304,11 @@ class PartitionCache:
         if key not in self._sketches:
             self._sketches[key] = build()
         return self._sketches[key]
+
+    def unprotected_sketch(self, key: tuple[Any, ...], values: np.ndarray, protected: np.ndarray) -> LogSketch:
+        """:meth:`sketch` under ``key`` of the ``values`` outside ``protected`` (the mask is
+        inverted only when the sketch is made, not on a hit)."""
+        return self.sketch(key, lambda: LogSketch.from_values(values, mask=~protected))
 
     def part(self, key: tuple[Any, ...], build: Any) -> Part:
         if key not in self._parts:

@@ -22,15 +22,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "inshrink_store"
 CAP = 12
 
-#: module -> the internal modules it imported when this test was written (main, ac1b61d), the
-#: most it may import until someone narrows it; remove the row when it is at or under the cap.
+#: module -> the most internal modules it may import until someone narrows it (its count when
+#: this test was written, main ac1b61d, or lower since); remove the row when it is at or under
+#: the cap. (session 15, policy.allocation 15, policy.partition 13 and policy.candidates 13 were
+#: narrowed to 12 and left the list: write_threads moved to parallel, type-only imports under
+#: TYPE_CHECKING, compensated() to policy.compensation, the residual's stored values to residual.)
 OVER_CAP: dict[str, int] = {
     "inshrink_store.policy": 17,  # the policy's one entry for the clients (issue 45, item 1)
-    "inshrink_store.repository": 15,
-    "inshrink_store.session": 15,
-    "inshrink_store.policy.allocation": 15,
-    "inshrink_store.policy.partition": 13,
-    "inshrink_store.policy.candidates": 13,
+    # the facade (15 -> 13): each import is a room it fronts or a name it re-exports (storage,
+    # the settings' manifest and layout, the object store's keyframe default, refs, history,
+    # parts, session, residual, admin, leases' gc defaults, plans, errors)
+    "inshrink_store.repository": 13,
 }
 
 
