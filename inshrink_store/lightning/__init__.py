@@ -65,6 +65,8 @@ from inshrink_store.torch.tensors import load_state, save_state, torch
 #: Lightning's base class (``lightning.pytorch.plugins.io.CheckpointIO`` is the same class)
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    from inshrink_store import GcReport
 else:
     CheckpointIO = require("lightning.fabric.plugins.io.checkpoint_io", "lightning").CheckpointIO
 _cloud = require("lightning.fabric.utilities.cloud_io", "lightning")
@@ -92,7 +94,7 @@ def path_key(path: Any) -> str:
     return text if "://" in text else os.path.normpath(os.path.abspath(text))
 
 
-def tag_for(path: Any) -> str:
+def tag_for(path: str | os.PathLike[str]) -> str:
     """The tag that keeps the version saved at ``path``: ``ckpt-<file name>-<hash>``.
 
     Why a hash: tag names allow letters, digits, '.', '_', '-' only, so the file name is
@@ -297,7 +299,7 @@ class InshrinkCheckpointIO(CheckpointIO):
     ``exact_resume`` then defaults to 1.
     """
 
-    def __init__(self, url: str | Repository, *, branch: str = "main", quantize: QuantConfig | None = None,
+    def __init__(self, url: str | os.PathLike[str] | Repository, *, branch: str = "main", quantize: QuantConfig | None = None,
                  exact_resume: int | None = None, background: bool = False,
                  storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -325,7 +327,7 @@ class InshrinkCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._gc_due, self._saves_since_due = False, 0
         #: the report of the last gc (after a removal or a moved tag), or None
-        self.last_gc: Any = None
+        self.last_gc: GcReport | None = None
 
     @property
     def repo(self) -> Repository:
@@ -349,7 +351,8 @@ class InshrinkCheckpointIO(CheckpointIO):
         self._lock = threading.RLock()
 
     # -- Lightning's interface -----------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any = None) -> None:
         """Commit ``checkpoint`` as one version, tag it for ``path`` and write the pointer.
         ``storage_options`` may carry ``{"message": str, "metrics": {name: number}}`` for the
         version's log entry."""
@@ -370,7 +373,7 @@ class InshrinkCheckpointIO(CheckpointIO):
         else:
             self._save(encoded, modules, path, commit, scratch, names)
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint saved at ``path`` (or a branch, tag or snapshot id of the store), as
         Lightning expects it. ``weights_only`` is accepted and moot: nothing is unpickled."""
         self._drain()
@@ -386,7 +389,7 @@ class InshrinkCheckpointIO(CheckpointIO):
         meta = self.repo.snapshot(snapshot).metadata.get("lightning", {})
         return _with_module_metadata(_decode(state), meta.get("state_dict_metadata"))
 
-    def remove_checkpoint(self, path: Any) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Drop the tag (and pointer) of ``path``, then gc this branch: the version goes unless
         another tag, another branch or the branch head keeps it; versions the plugin did not
         write and objects kept versions share stay. A path never saved here is nothing to
@@ -410,7 +413,7 @@ class InshrinkCheckpointIO(CheckpointIO):
                 self._collect()
 
     # -- reading ---------------------------------------------------------------------------------
-    def find(self, path: Any) -> str:
+    def find(self, path: str | os.PathLike[str]) -> str:
         """The snapshot id of the checkpoint at ``path``: its pointer file's, else its tag's,
         else ``path`` read as a ref of the store (``"main"``: the newest checkpoint)."""
         pointer = _read_pointer(path)

@@ -52,7 +52,12 @@ from inshrink_store.torch.quantized_eval import QuantizedEval
 from inshrink_store.torch.tensors import state_to_arrays
 
 if TYPE_CHECKING:
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
+
+    from inshrink_store.lightning import InshrinkCheckpointIO
+    from inshrink_store.repository import Repository
 else:
     Callback = require("lightning.pytorch.callbacks", "lightning").Callback
 
@@ -96,7 +101,7 @@ class InshrinkSearch(Callback):
         self.policy: SearchPolicy = dataclasses.replace(options.resolved_policy, optimizer=None)
         #: the record of the last save's search (None before one)
         self.last_record: QuantizationRecord | None = None
-        self._module: Any = None
+        self._module: LightningModule | None = None
         #: what the decisions carry from save to save: the last configuration (where the next
         #: search starts) and the run's evaluations (which rank a budgeted search's candidates)
         self._run = SaveRun()
@@ -104,7 +109,7 @@ class InshrinkSearch(Callback):
         self._last: tuple[str, PlanSet | None, QuantizationRecord] | None = None
 
     # -- Lightning's hooks -----------------------------------------------------------------------
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Hand the Trainer's module to the Trainer's InshrinkCheckpointIO (an InvalidInputError
         when the Trainer saves through another IO, or through one made with ``quantize=``)."""
         io = getattr(trainer.strategy, "checkpoint_io", None)
@@ -120,7 +125,7 @@ class InshrinkSearch(Callback):
         found.attach_search(self)
         self._module = pl_module
 
-    def attach(self, io: Any) -> None:
+    def attach(self, io: InshrinkCheckpointIO) -> None:
         """Become ``io``'s search (an InshrinkCheckpointIO), when it has no ``quantize=`` and no
         other search; with ``exact_resume`` left to its default, the newest version resumes
         bit-exact (1), as with ``quantize=``."""
@@ -137,7 +142,7 @@ class InshrinkSearch(Callback):
             io.exact_resume = 1
 
     # -- what the plugin asks ----------------------------------------------------------------------
-    def scratch_model(self) -> Any:
+    def scratch_model(self) -> LightningModule:
         """A copy of the module as it is now (the save's), which the candidates are scored on."""
         if self._module is None:
             raise InvalidInputError(
@@ -145,7 +150,7 @@ class InshrinkSearch(Callback):
                 "pass the callback to the Trainer that fits (Trainer(callbacks=[search], plugins=[io])).")
         return copy.deepcopy(self._module)
 
-    def decide(self, checkpoint: Mapping[str, Any], names: Mapping[str, str], model: Any, repo: Any,
+    def decide(self, checkpoint: Mapping[str, Any], names: Mapping[str, str], model: torch.nn.Module, repo: Repository,
                parent: str | None, exact_resume: int) -> tuple[PlanSet | None, QuantizationRecord]:
         """(the plans to write, the record for ``metadata["quantization"]``) of one save:
         ``checkpoint`` the dict as the plugin stores it (keys escaped), ``names`` each escaped

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from inshrink_store import dtypes as dtype_registry
@@ -174,8 +175,8 @@ def _prepare(points: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
     return uniq, np.bincount(inverse.ravel(), weights=c, minlength=uniq.size)
 
 
-def weighted_kmeans(points: Any, counts: Any, k: int, *, sigma: float = SIGMA,
-                    init: Any = None, iters: int = ITERS, seed: int | None = None) -> np.ndarray:
+def weighted_kmeans(points: npt.ArrayLike, counts: npt.ArrayLike, k: int, *, sigma: float = SIGMA,
+                    init: npt.ArrayLike | None = None, iters: int = ITERS, seed: int | None = None) -> np.ndarray:
     """Sorted distinct centres (at most ``k``) of ``points`` with ``counts``; deterministic.
 
     ``init`` (e.g. the previous checkpoint's centres) warm-starts Lloyd instead of
@@ -210,8 +211,8 @@ def through_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     return dtype_registry.get(dtype).round_float32(np.asarray(values, np.float32))
 
 
-def fit_codebook(values: Any, k: int, *, include_zero: bool, sketch: LogSketch | None = None,
-                 previous: Any = None, dtype: str = "F32", sigma: float = SIGMA) -> np.ndarray:
+def fit_codebook(values: npt.ArrayLike | None, k: int, *, include_zero: bool, sketch: LogSketch | None = None,
+                 previous: npt.ArrayLike | None = None, dtype: str = "F32", sigma: float = SIGMA) -> np.ndarray:
     """A sorted float64 codebook of at most ``k`` centres, each exact in ``dtype``.
 
     Fitted by weighted k-means over the log-space sketch of ``values`` (pass ``sketch``

@@ -198,7 +198,7 @@ class MomentPolicy:
                    residual_alpha=EXCP_ALPHA)
 
     @classmethod
-    def from_dict(cls, data: Any) -> MomentPolicy:
+    def from_dict(cls, data: object) -> MomentPolicy:
         if not isinstance(data, Mapping):
             raise FormatError(f"Expected a MomentPolicy dict. Got {type(data).__name__} instead.")
         unknown = sorted(str(k) for k in data if k not in cls.__dataclass_fields__)
@@ -328,7 +328,7 @@ class MomentRecord:
                 "skipped": self.skipped}
 
     @classmethod
-    def from_dict(cls, data: Any) -> MomentRecord:
+    def from_dict(cls, data: object) -> MomentRecord:
         """Read ``metadata["moments"]``; a FormatError names what is wrong."""
         if not isinstance(data, Mapping) or not isinstance(data.get("tensors", {}), Mapping):
             raise FormatError(

@@ -87,7 +87,7 @@ class QuantizationRecord:
         return data
 
     @classmethod
-    def from_dict(cls, data: Any) -> QuantizationRecord:
+    def from_dict(cls, data: object) -> QuantizationRecord:
         """Read a record (any version up to :data:`VERSION`, or none given: 1).
 
         A FormatError names the first field that is missing, unknown or of the wrong kind."""

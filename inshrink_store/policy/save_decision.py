@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
 from inshrink_store.policy.search import SearchPoint, SearchSpace
 from inshrink_store.policy.search_policy import Decision, SearchPolicy
+
+if TYPE_CHECKING:
+    from inshrink_store.plans import ArrayPlan
 
 __all__ = ["RESIDUAL_SPACE", "Evaluator", "ParentSource", "ParentVersion", "SaveDecider", "SaveOutcome", "SaveRun",
            "SaveState"]
@@ -171,7 +174,7 @@ class SaveOutcome:
     residual met the tolerance (``fell_back``)."""
 
     decision: Decision
-    plans: Any
+    plans: Mapping[str, ArrayPlan] | None
     evaluator: Evaluator | None
     fell_back: bool = False
 
@@ -238,7 +241,7 @@ class SaveDecider:
         return SaveOutcome(decision, plans, evaluate, fell_back=True)
 
     def _search(self, state: SaveState, loop: ClosedLoop | None, parent: ParentVersion, run: SaveRun,
-                budget: SaveBudget, evaluator: MakeEvaluator | None) -> tuple[Decision, Any, Evaluator | None]:
+                budget: SaveBudget, evaluator: MakeEvaluator | None) -> tuple[Decision, Mapping[str, ArrayPlan] | None, Evaluator | None]:
         """One search of a save: its decision, the plans to write (closed-loop ones when
         ``loop`` codes the weights) and the evaluator it used."""
         arrays = state.arrays
@@ -280,7 +283,7 @@ class SaveDecider:
         run.previous_space = policy.space
         decision = policy.decide(candidates, evaluate, previous=previous, budget=budget, predictor=run.predictor,
                                  stream=self.stream)
-        plans: Any = decision.plans
+        plans: Mapping[str, ArrayPlan] | None = decision.plans
         if loop is not None and decision.plans is not None:
             plans = loop.plans(decision.plans, arrays)
         return decision, plans, evaluate

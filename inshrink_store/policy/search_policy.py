@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, TypedDict
 
+from typing_extensions import Unpack
+
 from inshrink_store.errors import FormatError
 from inshrink_store.plans import Planner
 from inshrink_store.policy.allocation import Allocation, AllocationCandidates, AllocationTrial
@@ -191,7 +193,7 @@ class SearchPolicy:
                 raise FormatError(f"Expected {what} in SearchPolicy. Got {got!r} instead.")
 
     @classmethod
-    def from_args(cls, **args: Any) -> SearchPolicy:
+    def from_args(cls, **args: Unpack[PolicyArgs]) -> SearchPolicy:
         """The policy the Checkpointer's 0.1 keywords describe (:class:`PolicyArgs`)."""
         unknown = sorted(set(args) - set(PolicyArgs.__annotations__))
         if unknown:

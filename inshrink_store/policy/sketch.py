@@ -36,9 +36,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from inshrink_store.codecs import _gpu, _quant_loops
 from inshrink_store.codecs._xp import array_namespace, to_host
@@ -397,8 +399,8 @@ class LogSketch:
         return (1 + self.alpha) / (1 - self.alpha)
 
     @classmethod
-    def from_values(cls, values: Any, alpha: float = ALPHA, *, mask: Any = None,
-                    xp: Any = None) -> LogSketch:
+    def from_values(cls, values: Any, alpha: float = ALPHA, *, mask: npt.ArrayLike | None = None,
+                    xp: ModuleType | None = None) -> LogSketch:
         """Sketch of ``values`` (any shape); with ``mask``, only where it is true.
 
         ``xp`` is the array module of ``values`` (numpy or CuPy), found from them when None;

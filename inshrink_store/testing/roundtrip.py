@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numcodecs
 import numpy as np
+from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 
 from inshrink_store import dtypes
@@ -82,7 +83,7 @@ def _check_error(array: np.ndarray, decoded: np.ndarray, bound: float, element_d
         )
 
 
-def check_codec_roundtrip(codec: Any, array: np.ndarray, max_abs_error: float | None = None,
+def check_codec_roundtrip(codec: Codec, array: np.ndarray, max_abs_error: float | None = None,
                           element_dtype: str | None = None) -> bytes:
     """Check a numcodecs codec on ``array``; raise AssertionError saying what broke.
 

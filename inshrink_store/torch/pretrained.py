@@ -69,13 +69,13 @@ class PretrainedExport:
     copied: tuple[str, ...]
 
 
-def config_json(model: Any) -> str:
+def config_json(model: object) -> str:
     """The ``config.json`` text ``save_pretrained`` would write for ``model`` (a transformers
     model, or its config): only the settings that differ from the config class's defaults,
     ``architectures`` naming the model's class and ``dtype`` its dtype, as ``save_pretrained``
     sets them, so that ``AutoModel...from_pretrained`` and pipelines pick the right head. Store it with a
     version as ``extra={"hf_config": config_json(model)}``."""
-    config = getattr(model, "config", model)
+    config: Any = getattr(model, "config", model)  # duck-typed: checked just below
     if not callable(getattr(config, "to_json_string", None)):
         raise FormatError(
             f"Expected a transformers model or config (with .config.to_json_string()). Got "
