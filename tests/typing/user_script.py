@@ -16,9 +16,16 @@ import numpy as np
 import torch
 
 import inshrink_store as ins
-from inshrink_store import DiffReport, Repository, SnapshotInfo, SnapshotReader, TensorChange
+from inshrink_store import (
+    DiffReport,
+    GcReport,
+    Repository,
+    SnapshotInfo,
+    SnapshotReader,
+    TensorChange,
+)
 from inshrink_store.policy import QuantConfig
-from inshrink_store.torch import Checkpointer, load_state, save_state
+from inshrink_store.torch import Checkpointer, array_to_tensor, export_state, load_state, save_state
 
 
 def numpy_versions(repo: Repository) -> None:
@@ -62,6 +69,10 @@ def torch_state(repo: Repository) -> None:
     assert_type(state, dict[str, Any])
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    exported = export_state(repo.checkout("main"))
+    assert_type(exported, dict[str, Any])
+    assert torch.equal(exported["0.weight"], model.state_dict()["0.weight"])
+    assert_type(array_to_tensor(np.zeros(3, np.float32), "F32"), torch.Tensor)
 
 
 def checkpointer(repo: Repository) -> None:
@@ -87,6 +98,7 @@ def checkpointer(repo: Repository) -> None:
     assert_type(step, int | None)
     assert step == 20
     assert torch.equal(model2.weight, model.weight)
+    assert_type(ck2.last_gc, GcReport | None)
     ck2.close()
 
 
