@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import xxhash
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
 
-    from inshrink_store.lightning import InshrinkCheckpointIO
+    from inshrink_store.policy import QuantConfig
     from inshrink_store.repository import Repository
 else:
     Callback = require("lightning.pytorch.callbacks", "lightning").Callback
@@ -65,6 +65,23 @@ __all__ = ["InshrinkSearch"]
 
 #: where a Lightning checkpoint keeps the model's weights, and where the evaluator looks for them
 _STATE_DICT, _MODEL = "state_dict/", "model/"
+
+
+
+class SearchingPlugin(Protocol):
+    """What :meth:`InshrinkSearch.attach` reads and sets on an ``InshrinkCheckpointIO``.
+
+    A Protocol, not the class: ``inshrink_store.lightning`` imports this module, and naming
+    the plugin here, even for the type checker alone, would import it back (a cycle)."""
+
+    search: InshrinkSearch | None
+    exact_resume: int
+
+    @property
+    def quantize(self) -> QuantConfig | None: ...
+
+    @property
+    def exact_resume_given(self) -> int | None: ...
 
 
 class InshrinkSearch(Callback):
@@ -125,7 +142,7 @@ class InshrinkSearch(Callback):
         found.attach_search(self)
         self._module = pl_module
 
-    def attach(self, io: InshrinkCheckpointIO) -> None:
+    def attach(self, io: SearchingPlugin) -> None:
         """Become ``io``'s search (an InshrinkCheckpointIO), when it has no ``quantize=`` and no
         other search; with ``exact_resume`` left to its default, the newest version resumes
         bit-exact (1), as with ``quantize=``."""
