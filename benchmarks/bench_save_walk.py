@@ -89,17 +89,12 @@ def later_save_walk() -> list[str]:
     import torch
 
     import inshrink_store as ins
+    from benchmarks.bench_save_roots import problem, train
     from inshrink_store.policy import SearchPolicy
     from inshrink_store.torch import Checkpointer
 
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 32, generator=g)
-    y = (x[:, :4].sum(1) > 0).long()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 192), torch.nn.ReLU(), torch.nn.Linear(192, 192),
-                                torch.nn.ReLU(), torch.nn.Linear(192, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y, model, opt = problem()  # the same seeded problem as save_roots' runs
 
     def accuracy(m: Any) -> float:
         with torch.no_grad():
@@ -111,11 +106,7 @@ def later_save_walk() -> list[str]:
         with Checkpointer(repo, model, opt, eval_fn=accuracy, policy=SearchPolicy(tolerance=0.02),
                           background=False) as ck:
             for step in (10, 20, 30):
-                for _ in range(5):
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                    ck.observe_gradients()
-                    opt.step()
+                train(model, opt, x, y, 5, ck)
                 if step < 30:
                     ck.save(step)
             return walk(lambda: ck.save(30))
