@@ -16,10 +16,9 @@ they are read by the type checker only, never run, and tie no room to another at
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "inshrink_store"
+from tests.test_house.import_walk import MODULES, resolved_imports
+
 CAP = 12
 
 #: module -> the most internal modules it may import until someone narrows it (its count when
@@ -36,14 +35,6 @@ OVER_CAP: dict[str, int] = {
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -68,25 +59,8 @@ def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:
 def internal_imports(module: str, source: str | None = None) -> set[str]:
     """The other modules of the package ``module`` imports at run time (``source``: its text,
     read from disk unless given)."""
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    tree = ast.parse(path.read_text() if source is None else source)
-    found: set[str] = set()
-    for node in _run_time_nodes(tree):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "inshrink_store"}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                origin = ".".join(base + ([node.module] if node.module else []))
-            else:
-                origin = node.module or ""
-            if origin.split(".")[0] != "inshrink_store":
-                continue
-            for alias in node.names:
-                sub = f"{origin}.{alias.name}"
-                found.add(sub if sub in MODULES else origin)
-    return found - {module}
+    tree = ast.parse(MODULES[module].read_text() if source is None else source)
+    return {imported for imported, _, _ in resolved_imports(module, _run_time_nodes(tree))} - {module}
 
 
 def fan_out() -> dict[str, int]:

@@ -20,10 +20,8 @@ from __future__ import annotations
 import ast
 import fnmatch
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "inshrink_store"
+from tests.test_house.import_walk import MODULES, ROOT, resolved_imports
 
 #: the store modules a client may import: the public store API and the policy entry
 #: (docs/reference/architecture.md, "Two doors"); every other store module is an internal
@@ -54,14 +52,6 @@ MOST_STORE_MODULES = 15
 TORCH_CONVENTIONS = frozenset({"_metadata"})
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def is_client(module: str) -> bool:
@@ -79,27 +69,9 @@ def _shares_privates(module: str, imported: str) -> bool:
 
 
 def _imports(module: str) -> list[tuple[str, str | None, int]]:
-    """(module imported, name taken from it or None, line) for every import in ``module``,
-    resolved exactly: ``from a import b`` where ``a.b`` is a module imports ``a.b``; relative
-    imports resolve against the module's package; imports inside functions and TYPE_CHECKING count."""
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    found: list[tuple[str, str | None, int]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "inshrink_store"]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            if source.split(".")[0] != "inshrink_store":
-                continue
-            for alias in node.names:
-                sub = f"{source}.{alias.name}"
-                found.append((sub, None, node.lineno) if sub in MODULES else (source, alias.name, node.lineno))
-    return found
+    """(module imported, name taken from it or None, line) for every import in ``module``;
+    imports inside functions and TYPE_CHECKING count."""
+    return resolved_imports(module, ast.walk(ast.parse(MODULES[module].read_text())))
 
 
 def store_modules_imported() -> set[str]:
