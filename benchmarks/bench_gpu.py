@@ -101,6 +101,7 @@ def throughput(cp: Any, numel: int, reps: int) -> list[str]:
     payload_to_host, host_payload = _best(lambda: to_host(payload_dev), reps, sync)
     to_bytes, _ = _best(lambda: host_payload.tobytes(), reps, sync)
     up_pageable, _ = _best(lambda: cp.asarray(payload_host), reps, sync)
+    steps = _encode_steps(q, x, reps, sync)
     payload_pinned = _pinned(cp, payload_host.shape, np.uint8)
     payload_pinned[...] = payload_host
     up_pinned, _ = _best(lambda: cp.asarray(payload_pinned), reps, sync)
@@ -117,9 +118,32 @@ def throughput(cp: Any, numel: int, reps: int) -> list[str]:
         _row("  payload host array -> bytes", to_bytes, nbytes),
         _row("  payload host->device (pageable)", up_pageable, nbytes),
         _row("  payload host->device (pinned)", up_pinned, nbytes),
+        _row("  encode -> host bytes: on the device", steps[0], nbytes),
+        _row("  encode -> host bytes: to_host", steps[1], nbytes),
+        _row("  encode -> host bytes: tobytes", steps[2], nbytes),
         _row("CPU encode (numpy, 1 thread)", cpu_encode, nbytes),
         _row("CPU decode (numpy, 1 thread)", cpu_decode, nbytes),
     ]
+
+
+def _encode_steps(q: Quantizer, x: Any, reps: int, sync: Callable[[], None]) -> tuple[float, float, float]:
+    """``q.encode(x)`` split into its steps, each timed inside the same call (the run with the
+    least total of ``reps``): the payload on the device, its copy to the host (``to_host``:
+    a fresh pinned block from CuPy's pool each call, as the codec does), and ``tobytes``."""
+    best: tuple[float, float, float] = (float("inf"),) * 3
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        payload = q.encode_array(x)
+        sync()
+        t1 = time.perf_counter()
+        host = to_host(payload)
+        t2 = time.perf_counter()
+        host.tobytes()
+        t3 = time.perf_counter()
+        del payload, host
+        if t3 - t0 < sum(best):
+            best = (t1 - t0, t2 - t1, t3 - t2)
+    return best
 
 
 def _pinned(cp: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

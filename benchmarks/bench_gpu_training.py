@@ -240,7 +240,21 @@ class InshrinkCompressed(Inshrink):
     lossless = False
 
 
-def run(work: Workload, saver_type: type[Saver], root: Path) -> Row:
+def run(work: Workload, saver_type: type[Saver], root: Path, stages: bool = False) -> Row:
+    """One way of saving through the loop; ``stages``: time the Checkpointer's library stages
+    by thread CPU over the whole run (``bench_save_cost --stages``'s list) into its details."""
+    if stages and issubclass(saver_type, Inshrink):
+        from benchmarks.bench_save_cost import checkpointer_stages
+        from benchmarks.bench_stages import timed
+
+        listed = checkpointer_stages()
+        with timed(listed) as spent:
+            cpu = time.process_time()
+            row = run(work, saver_type, root)
+            cpu = time.process_time() - cpu
+        row.details["stages_cpu_s"] = {name: round(spent.get(name, 0.0), 2) for name, _w, _p, _n in listed}
+        row.details["process_cpu_s"] = round(cpu, 2)
+        return row
     path = root / saver_type.__name__
     path.mkdir(parents=True, exist_ok=True)
     saver = saver_type(work, path)
@@ -319,6 +333,8 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
     ap.add_argument("--limit-s", type=float, default=600.0, help="skip the ways of saving not started by then")
     ap.add_argument("--only", default=None, help="comma-separated way names to run (default: all)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--stages", action="store_true",
+                    help="time the Checkpointer's stages (thread CPU) in the inshrink rows' details")
     args = ap.parse_args(argv)
     work = Workload(args.small, args.steps or (8 if args.small else 60), args.every or (4 if args.small else 20))
     params = sum(p.numel() for p in work.fresh()[0].parameters())
@@ -333,7 +349,7 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
             if time.perf_counter() - began > args.limit_s:
                 emit(f"{variant.name}: skipped (past --limit-s {args.limit_s:g})")
                 continue
-            row = run(work, variant, root)
+            row = run(work, variant, root, stages=args.stages)
             rows.append(row)
             emit(json.dumps(asdict(row)))
     finally:

@@ -113,7 +113,7 @@ def _checkpoint(ck: Any, step: int) -> tuple[float, float]:
     return blocked, time.perf_counter() - start
 
 
-def _stage_list() -> list[tuple[str, str, list[tuple[Any, str]], str]]:
+def checkpointer_stages() -> list[tuple[str, str, list[tuple[Any, str]], str]]:
     """The Checkpointer's stages, in ``bench_stages.timed``'s form: (stage, where, patched
     places, the stage it is part of). Imported late: the library loads with the benchmark."""
     from inshrink_store import cas, manifest, residual
@@ -147,7 +147,7 @@ def stage_profile(model: Any, opt: Any, batch: tuple[Any, Any], folder: str, ste
     from benchmarks.bench_stages import timed
     from inshrink_store.torch import Checkpointer
 
-    stages = _stage_list()
+    stages = checkpointer_stages()
     out: dict[str, Any] = {"stages": [(name, where) for name, where, _p, _n in stages]}
     with Checkpointer(ins.open(os.path.join(folder, "stages"), create=True), model, opt) as ck:
         for label in ("first", "later"):

@@ -102,7 +102,6 @@ def _attributes(skeleton: Any, params: Mapping[str, str]) -> dict[str, Any]:
 class _Job:
     """What the loop's thread hands the background save: copies, never live objects."""
 
-    state: dict[str, Any]
     sensitivity: dict[str, Any]  # path -> |g*w| as numpy, over the last EMA window
     kinds: dict[str, str]  # path -> owning module's class name (layer types)
     eval_model: Any  # a copy of the model on its own device to evaluate candidates on (None: no eval_fn)
@@ -111,7 +110,7 @@ class _Job:
     metrics: dict[str, float] | None
     message: str | None
     copy_s: float
-    staged: Staged  # the state's CUDA copies in flight: wait before reading them
+    staged: Staged  # the state's copies in flight: its wait() gives the host state
     ema: dict[str, Any]  # model name -> gradient EMA (host), for sensitivity once staged lands
 
 
@@ -164,8 +163,11 @@ class Checkpointer:
     shows it. A check you can read, beside the tolerance ``eval_fn`` enforces.
 
     ``on_busy``: what :meth:`save` does when the previous background save is still running.
-    ``"wait"`` (the default, as PyTorch DCP's ``async_save`` and Orbax do) blocks the loop
-    until it commits, then takes this checkpoint; ``"skip"`` does not take this checkpoint
+    ``"wait"`` (the default, as PyTorch DCP's ``async_save`` and Orbax do) takes this
+    checkpoint after it: a CUDA state is cloned on the device and the save queued behind the
+    running one when the device has room for the copy (one queued at most; see
+    :mod:`inshrink_store.torch.staging`), otherwise the loop blocks until the running save
+    commits; ``"skip"`` does not take this checkpoint
     (one warning names the step and the step still in flight; :attr:`skipped` lists them) and
     returns at once, so the loop never waits for the store beyond the state copy. Needs
     ``background=True``.
@@ -211,8 +213,9 @@ class Checkpointer:
         self._staging = HostStaging()
         self._checked_views = False  # the first save logs tensors that share memory as different views
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-save") if background else None
-        self._pending: Future[SnapshotInfo] | None = None
-        self._pending_step: int | None = None  # the step of the save in _pending
+        #: the background saves not yet waited for, oldest first, with their steps: the one
+        #: running and at most one staged behind it (staging.py's device mode)
+        self._pending: list[tuple[Future[SnapshotInfo], int]] = []
         self._closed = False
         # retention: the tags it asks for, after each commit (see retention.py)
         self._keeper = (None if self.retention is None else
@@ -293,8 +296,9 @@ class Checkpointer:
         dicts, lists and tuples of tensors, str, int, float, bool and None. :meth:`restore`
         puts it in :attr:`extra`, next to the state of every ``extra_state`` object.
 
-        While the previous background save is running, ``on_busy="wait"`` (the default) waits
-        for it to commit first; ``on_busy="skip"`` takes no checkpoint at all (nothing is
+        While the previous background save is running, ``on_busy="wait"`` (the default) queues
+        this one behind it (CUDA state with room on the device for a copy; a second one waits)
+        or waits for it to commit first; ``on_busy="skip"`` takes no checkpoint at all (nothing is
         copied, nothing is written; the step goes into :attr:`skipped` and a warning names it)
         and returns the running save's Future, whose result is the version of that earlier
         step (compare ``result().step`` with ``step`` to tell a skipped save)."""
@@ -303,9 +307,11 @@ class Checkpointer:
         warning, self._lossy_warning = self._lossy_warning, None
         if warning is not None:
             warnings.warn(warning, stacklevel=2)
-        if self.on_busy == "skip" and self._pending is not None and not self._pending.done():
-            return self._skip(step, self._pending)
-        self.wait()
+        running = self._running()
+        if self.on_busy == "skip" and running is not None:
+            return self._skip(step, running)
+        while len(self._unfinished()) > 1:  # one save staged behind the running one at most
+            self._wait_oldest()
         start = time.perf_counter()
         extras = self._extra_now(extra)
         live: dict[str, Any] = {"model": self.model.state_dict()}
@@ -316,8 +322,14 @@ class Checkpointer:
         if not self._checked_views:  # before the copy, which keeps ties but not partial overlaps
             self._checked_views = True
             flatten_state(live)  # logs tensors sharing memory as different views (tied ones alias)
-        # CUDA tensors: enqueued into reusable pinned buffers, not waited for (staging.py)
-        state, staged = self._staging.copy(live)
+        # CUDA tensors: cloned on the device, or enqueued into reusable pinned buffers, not
+        # waited for (staging.py); a save still running holds those buffers, so without room
+        # on the device for clones this save waits for it first
+        staged = self._staging.stage(live, busy=self._running() is not None)
+        if staged is None:
+            self.wait()
+            staged = self._staging.stage(live, busy=False)
+            assert staged is not None
         # handed over and cleared here, in the loop's thread: the next window starts now
         ema, self._ema = self._ema, {}
         kinds = {f"model/{name}.{p}": type(mod).__name__ for name, mod in self.model.named_modules()
@@ -326,18 +338,36 @@ class Checkpointer:
                       if self.eval_fn is not None or self.probe is not None else None)
         copy_s = time.perf_counter() - start
         params = param_paths(self.model, self.optimizer) if self.optimizer is not None else {}
-        job = _Job(state, {}, kinds, eval_model, params, step, metrics, message, copy_s, staged, ema)
+        job = _Job({}, kinds, eval_model, params, step, metrics, message, copy_s, staged, ema)
         if self._pool is None:
             return self._save(job)
-        self._pending, self._pending_step = self._pool.submit(self._save, job), step
-        return self._pending
+        future = self._pool.submit(self._save, job)
+        self._pending.append((future, step))
+        return future
 
-    def _skip(self, step: int, running: Future[SnapshotInfo]) -> Future[SnapshotInfo]:
+    def _skip(self, step: int, running: tuple[Future[SnapshotInfo], int]) -> Future[SnapshotInfo]:
         """``on_busy="skip"`` while ``running`` (the save of an earlier step) is in flight."""
         self.skipped.append(step)
         log.warning("checkpoint at step %s skipped (on_busy='skip'): the save of step %s is still running",
-                    step, self._pending_step)
-        return running
+                    step, running[1])
+        return self._pending[-1][0]
+
+    def _unfinished(self) -> list[tuple[Future[SnapshotInfo], int]]:
+        return [(f, s) for f, s in self._pending if not f.done()]
+
+    def _running(self) -> tuple[Future[SnapshotInfo], int] | None:
+        """The background save still running or queued (the oldest unfinished), if any."""
+        unfinished = self._unfinished()
+        return unfinished[0] if unfinished else None
+
+    def _wait_oldest(self) -> None:
+        """Wait for the oldest background save; re-raise its failure (the later ones are
+        still waited for by :meth:`wait`)."""
+        future, _ = self._pending.pop(0)
+        try:
+            future.result()
+        except BaseException as exc:
+            raise BackgroundSaveError(f"Expected the background checkpoint to commit. Got {exc!r} instead.") from exc
 
     def _extra_now(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         """The ``extra`` subtree of this save, checked in the loop's thread (no pickle)."""
@@ -362,16 +392,21 @@ class Checkpointer:
     def wait(self) -> SnapshotInfo | None:
         """Block until the background save (if any) is committed and return its
         :class:`~inshrink_store.SnapshotInfo` (None: no save was pending); re-raise its failure."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.result()
-        except BaseException as exc:
-            raise BackgroundSaveError(f"Expected the background checkpoint to commit. Got {exc!r} instead.") from exc
+        pending, self._pending = self._pending, []
+        failure: BaseException | None = None
+        info: SnapshotInfo | None = None
+        for future, _ in pending:  # every one, so none is left running after a failure
+            try:
+                info = future.result()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise BackgroundSaveError(
+                f"Expected the background checkpoint to commit. Got {failure!r} instead.") from failure
+        return info
 
     def _raise_failure(self) -> None:
-        if self._pending is not None and self._pending.done() and self._pending.exception() is not None:
+        if any(f.done() and f.exception() is not None for f, _ in self._pending):
             self.wait()
 
     def _check_open(self, doing: str) -> None:
@@ -434,17 +469,17 @@ class Checkpointer:
     # -- background ------------------------------------------------------------------------
     def _save(self, job: _Job) -> SnapshotInfo:
         t0 = time.perf_counter()
-        job.staged.wait()
-        model_state = job.state["model"]
+        job_state: dict[str, Any] = job.staged.wait()
+        model_state = job_state["model"]
         # in place: the EMA is this save's own (handed over by save()), so |g*w| needs no new
         # tensor-sized array per weight
         job.sensitivity.update({f"model/{n}": g.mul_(model_state[n].float()).abs_().numpy()
                                 for n, g in job.ema.items() if n in model_state})
-        # views, not copies: job.state is this save's own copy (staging.py), read-only from here on
-        arrays, dtypes, skeleton = state_to_arrays(job.state, copy=False)
+        # views, not copies: job_state is this save's own copy (staging.py), read-only from here on
+        arrays, dtypes, skeleton = state_to_arrays(job_state, copy=False)
         parent, expected = self._commit_base()
         state = SaveState(arrays, dtypes, job.kinds, job.sensitivity, job.params,
-                          adam_hyper(job.state.get("optimizer")))
+                          adam_hyper(job_state.get("optimizer")))
         evaluator = None
         if self.eval_fn is not None and job.eval_model is not None:
             eval_fn, eval_model = self.eval_fn, job.eval_model
@@ -458,7 +493,7 @@ class Checkpointer:
         t_search = time.perf_counter() - t0
         metadata: dict[str, Any] = {"quantization": decision.record.to_dict()}
         if self.probe is not None and job.eval_model is not None:
-            metadata["probe"] = probe_similarity(job.eval_model, self.probe, dtypes, job.state["model"], plans)
+            metadata["probe"] = probe_similarity(job.eval_model, self.probe, dtypes, job_state["model"], plans)
 
         def with_moments() -> dict[str, Any]:
             """The metadata once the tensors are written: the moments' record is complete only

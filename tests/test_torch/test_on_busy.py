@@ -23,6 +23,8 @@ from inshrink_store.errors import InvalidInputError  # noqa: E402
 from inshrink_store.policy import SearchPolicy  # noqa: E402
 from inshrink_store.policy.search import SearchSpace  # noqa: E402
 from inshrink_store.torch import Checkpointer  # noqa: E402
+from inshrink_store.torch.staging import HostStaging  # noqa: E402
+from tests.test_torch.fake_device import FakeDevice  # noqa: E402
 
 HANG = 60.0  # seconds: only stops a hang
 
@@ -90,6 +92,62 @@ def test_wait_still_waits_for_the_running_save() -> None:
     ck.close()
     assert [info.step for info in repo.log()] == [20, 10]
     assert ck.skipped == []
+
+
+def test_wait_stages_one_save_on_the_device_behind_the_running_one() -> None:
+    """With room on the device for a copy of the state (device mode, staging.py), the next
+    save is cloned and queued behind the running one instead of waiting for it; one more
+    waits. Each version holds the weights of its own step, though training changed them in
+    place while the earlier saves ran."""
+    ck, held, repo = _held_checkpointer()
+    ck._staging = HostStaging(_device=FakeDevice())  # every float tensor plays a CUDA tensor
+    weight = ck.model[0].weight
+    ck.save(10)
+    assert held.entered.wait(HANG)  # the first save runs, held
+    with torch.no_grad():
+        weight.add_(1.0)
+    at_20 = weight.detach().clone()
+    second = ck.save(20)  # returns: staged on the device, queued behind step 10's save
+    assert isinstance(second, Future) and not second.done()
+    with torch.no_grad():
+        weight.add_(1.0)
+    at_30 = weight.detach().clone()
+    done = threading.Event()
+    third = threading.Thread(target=lambda: (ck.save(30), done.set()))
+    third.start()
+    try:
+        assert not done.wait(0.3), "a second save was queued behind the running and the queued one"
+    finally:
+        held.release()
+    third.join(HANG)
+    assert done.is_set()
+    ck.close()
+    assert [info.step for info in repo.log()] == [30, 20, 10]
+    snap = repo.snapshot(repo.log()[1].id)
+    assert snap.step == 20
+    stored_20 = ins.torch.load_state(repo, snap.id)["model"]["0.weight"]
+    stored_30 = ins.torch.load_state(repo, repo.log()[0].id)["model"]["0.weight"]
+    # quantized (16 levels), so near their own step's weights, 1.0 away from the other's
+    assert (stored_20 - at_20).abs().max() < 0.2 and (stored_20 - at_30).abs().min() > 0.5
+    assert (stored_30 - at_30).abs().max() < 0.2
+
+
+def test_without_room_on_the_device_wait_waits_as_before() -> None:
+    ck, held, repo = _held_checkpointer()
+    ck._staging = HostStaging(_device=FakeDevice(room=0))
+    ck.save(10)
+    assert held.entered.wait(HANG)
+    done = threading.Event()
+    second = threading.Thread(target=lambda: (ck.save(20), done.set()))
+    second.start()
+    try:
+        assert not done.wait(0.3), "save returned while the running save held the only copy's buffers"
+    finally:
+        held.release()
+    second.join(HANG)
+    assert done.is_set()
+    ck.close()
+    assert [info.step for info in repo.log()] == [20, 10]
 
 
 @pytest.mark.parametrize("bad", ["never", "Skip", None, True, 1])

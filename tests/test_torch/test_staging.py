@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from inshrink_store.torch.staging import HostStaging  # noqa: E402
+from tests.test_torch.fake_device import FakeDevice  # noqa: E402
 
 
 def _state() -> dict:
@@ -76,3 +77,76 @@ def test_a_later_copy_reuses_the_host_buffers_and_still_takes_the_new_values():
     b, _ = staging.copy(tied)
     assert b["model"]["0.weight"] is b["model"]["1.weight"]
     assert b["model"]["0.weight"].data_ptr() == a["model"]["0.weight"].data_ptr()
+
+
+def _loop_state() -> dict:
+    return {"w": torch.arange(8.0), "m": torch.ones(2, 3), "step": torch.tensor(4), "lr": 0.1}
+
+
+def test_the_first_save_clones_on_the_device_and_allocates_the_arena_in_the_background():
+    """The loop's thread never page-locks the arena: the first stage clones, the background
+    save's wait() allocates the arena and copies the clones into it, with the staged values."""
+    device = FakeDevice()
+    staging = HostStaging(_device=device)
+    state = _loop_state()
+    staged = staging.stage(state, busy=False)
+    assert staged is not None and staged.mode == "device" and device.arenas == 0
+    state["w"].add_(1.0)  # the loop's next step, before the background save runs
+    state["m"].mul_(2.0)
+    copied = staged.wait()
+    assert device.arenas == 1 and device.copied_after == [2]
+    assert torch.equal(copied["w"], torch.arange(8.0)) and torch.equal(copied["m"], torch.ones(2, 3))
+    assert int(copied["step"]) == 4 and copied["lr"] == 0.1
+    assert staged.wait() is copied  # a second wait gives the same state
+    again = staging.stage(state, busy=False)  # the arena exists and no save runs: straight into it
+    assert again is not None and again.mode == "host"
+    assert again.wait()["w"].data_ptr() == copied["w"].data_ptr() and device.arenas == 1
+    assert torch.equal(again.wait()["w"], torch.arange(8.0) + 1.0)
+
+
+def test_a_busy_save_stages_on_the_device_when_there_is_room_and_says_so_when_there_is_none():
+    device = FakeDevice()
+    staging = HostStaging(_device=device)
+    state = _loop_state()
+    first = staging.stage(state, busy=False)
+    assert first is not None
+    first.wait()
+    busy = staging.stage(state, busy=True)
+    assert busy is not None and busy.mode == "device"
+    device.room_bytes = 8 * 4 + 6 * 4 - 1  # one byte short of the clones
+    assert staging.stage(state, busy=True) is None  # the caller waits for the running save
+    assert HostStaging(on_device=False, _device=device).stage(state, busy=True) is None
+    off = HostStaging(on_device=False, _device=FakeDevice())
+    first_off = off.stage(state, busy=False)
+    assert first_off is not None and first_off.mode == "host"
+
+
+def test_a_busy_save_never_writes_the_buffers_the_running_save_reads():
+    """The running save's copy (arena views and reused host buffers) keeps its values while
+    the next save is staged and the loop goes on; the queued one gets its own values."""
+    staging = HostStaging(_device=FakeDevice())
+    state = _loop_state()
+    first = staging.stage(state, busy=False)
+    assert first is not None
+    running = first.wait()
+    state["w"].add_(1.0)
+    state["step"].add_(1)
+    queued = staging.stage(state, busy=True)
+    assert queued is not None
+    assert torch.equal(running["w"], torch.arange(8.0)) and int(running["step"]) == 4
+    # the running save ends; only then does the queued one's background copy write the arena
+    copied = queued.wait()
+    assert int(copied["step"]) == 5 and copied["step"].data_ptr() != running["step"].data_ptr()
+    assert torch.equal(copied["w"], torch.arange(8.0) + 1.0)
+
+
+def test_a_tied_tensor_is_cloned_once_on_the_device_and_keeps_one_host_copy():
+    device = FakeDevice()
+    staging = HostStaging(_device=device)
+    tied = _state()
+    staged = staging.stage(tied, busy=False)
+    assert staged is not None
+    copied = staged.wait()
+    assert copied["model"]["0.weight"] is copied["model"]["1.weight"]
+    assert device.copied_after == [1]  # the embedding once; the int rng tensor is not the device's
+    assert torch.equal(copied["extra"]["rng"], torch.arange(5))
