@@ -174,7 +174,8 @@ def alternate(url: str, other: Path, repeat: int = 3, only: tuple[str, ...] = ()
 def measure_chains(url: str, repeat: int = 3) -> str:
     """The ``--chains`` table: MB/s per core of the newest version's delta chunks, decoded in
     byte planes and link by link."""
-    from inshrink_store.cas import CODER_BYTEGROUP, ObjectStore
+    from inshrink_store.cas import ObjectStore
+    from inshrink_store.object_format import CODER_BYTEGROUP
 
     repo = ins.open(url)
     objects = repo.checkout("main").view.objects

@@ -30,9 +30,9 @@ import zstandard
 import inshrink_store as ins  # noqa: E402
 from benchmarks import bench_quantization
 from benchmarks import pretrained_models as pm
-from inshrink_store.cas import ZSTD_LEVEL, keyframe_body  # noqa: E402
 from inshrink_store.codecs import _payload  # noqa: E402
 from inshrink_store.codecs.nuq import nearest_index  # noqa: E402
+from inshrink_store.object_format import ZSTD_LEVEL, keyframe_body  # noqa: E402
 from inshrink_store.policy import QuantConfig  # noqa: E402
 from inshrink_store.policy.allocation import Allocation, AllocationPlanner  # noqa: E402
 from inshrink_store.policy.partition import TensorInput, quantize_tensor  # noqa: E402

@@ -1,49 +1,25 @@
-"""Content-addressed chunk objects with bounded delta chains and end-to-end verification.
+"""The object store: content-addressed chunk objects under ``objects/``, written once, kept
+whole or as bounded delta chains, every read verified end to end.
 Layer: objects and leases (``cas`` | ``leases``), under everything that stores or deletes.
 
-An object's id is the xxh3-128 of its *logical* payload (the bytes Zarr wrote), so
-identical chunks in any tensor or version are stored once whether they are kept
-whole or as a delta. The stored form starts with a fixed header::
-
-    0   4  magic        b"ISO\\x02" (format 2; b"ISO\\x01", format 1, is still read)
-    4   1  kind         0 = whole (keyframe), 1 = delta against ``base``
-    5   1  coder        0 = none, 1 = zstd, 2 = zstd of the payload with its level ids
-                        packed two per byte (keyframes of <= 31 levels, ids from 15
-                        escaped above 16; see ``codecs/_nibbles``; written when smaller),
-                        3 = an ``inshrink.bytegroup`` chunk (format 2) of the payload's
-                        float elements; in a delta, planes may be XORed with the base's
-                        payload (raw float bits of the parent version's chunk); raw
-                        floats that code no smaller are stored whole with coder 0
-                        4 = closed loop: raw float32 bits coded by a planner as a
-                        quantized residual (``codecs/closed_loop``), on its own in a
-                        keyframe, added to the base's payload in a delta
-    6   2  depth        0 for whole, base depth + 1 for a delta (bounds chains)
-    8   8  logical length
-    16 16  base id      raw 16 bytes of the base's id, zeros when whole
-    32  8  checksum     xxh3-64 of header bytes 0..32 followed by the body
-                        (format 1: of the body only)
-    40  .. body
-
-Every read checks the checksum, bounds every declared size by the object's real
-size before allocating (a raw keyframe's logical length is its body length; a
-zstd body can expand at most ``MAX_ZSTD_EXPANSION`` times and is decompressed in
-bounded steps that stop as soon as the output passes the declared length),
-resolves the chain (with loop and depth guards, never a hang) and checks the
-logical id, so corruption is an :class:`IntegrityError` naming the object, never
-silently wrong numbers or an unbounded allocation.
+What an object's bytes are (header, checksum, coders, the bounds a reader checks) is
+:mod:`inshrink_store.object_format`; this module decides where objects live and which form
+to write: dedup by id, a delta against the parent version's chunk when clearly smaller, a
+keyframe every ``keyframe_interval`` links, and read-your-writes before anything is stored.
+A read resolves the chain (with loop and depth guards, never a hang), checks every link's
+checksum and the logical id, and caches payloads for the next version's deltas.
 """
+
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
-from inshrink_store.codecs import _nibbles, _payload, _planes, _zstd, bytegroup, closed_loop
+from inshrink_store.codecs import bytegroup
 from inshrink_store.codecs._payload import is_quantized_payload
 from inshrink_store.codecs.vdelta import VDelta, worth_delta
 from inshrink_store.errors import (
@@ -53,39 +29,34 @@ from inshrink_store.errors import (
     NotFoundError,
     WriteCheckError,
 )
-from inshrink_store.layout import object_path  # noqa: F401 - re-exported
+from inshrink_store.layout import object_path
 from inshrink_store.lru import ByteBoundedLRU
 from inshrink_store.manifest import content_id
+from inshrink_store.object_format import (
+    CODER_BYTEGROUP,
+    CODER_CLOSED_LOOP,
+    CODER_NONE,
+    CODER_PACKED_ZSTD,
+    CODER_ZSTD,
+    HEADER_SIZE,
+    KIND_DELTA,
+    KIND_WHOLE,
+    LOSSLESS_LEVEL,
+    MAX_CHAIN,
+    MAX_CHUNK_EXPANSION,
+    ObjectHeader,
+    check_floats,
+    checked_body,
+    decode_body,
+    float_keyframe,
+    frame,
+    keyframe_body,
+    parse_header,
+)
 from inshrink_store.storage import Storage
 
 log = logging.getLogger(__name__)
 
-MAGIC_V1 = b"ISO\x01"  # checksum over the body only; still read, never written
-MAGIC_V2 = b"ISO\x02"  # checksum over header bytes 0..32 and the body
-MAGIC = MAGIC_V2
-VERSIONS = {MAGIC_V1: 1, MAGIC_V2: 2}
-CHECKED_HEADER = 32  # format 2: header bytes covered by the checksum (all but the checksum)
-MAX_ZSTD_EXPANSION = _zstd.MAX_EXPANSION  # zstd's largest expansion, rounded up
-HEADER = struct.Struct("<4sBBHQ16sQ")
-HEADER_SIZE = HEADER.size  # 40
-KIND_WHOLE, KIND_DELTA = 0, 1
-CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP, CODER_CLOSED_LOOP = 0, 1, 2, 3, 4
-CODERS = (CODER_NONE, CODER_ZSTD, CODER_PACKED_ZSTD, CODER_BYTEGROUP, CODER_CLOSED_LOOP)
-#: float element types coder 3 codes (a payload of raw little-endian elements of one of them)
-ELEMENTS = bytegroup.ELEMENT_DTYPES
-#: a bytegroup body decodes to at most this many bytes per stored byte (its planes' worst
-#: coder, packed ranks, times the widest element)
-MAX_BYTEGROUP_EXPANSION = 4 * _planes.PACKED_MAX_EXPANSION
-#: zstd level of whole quantized payloads (one level id per byte). Level 1 both codes them
-#: smaller than level 3 on trained weights (2.18x vs 1.96x at 16 levels, 2.81x vs 2.54x at
-#: 8 levels pruned 30 %) and runs 3-10x faster; level 3 was the store's first choice.
-ZSTD_LEVEL = 1
-#: zstd level of coder 3's planes (level 1: smaller and faster than 3 on trained weights,
-#: benchmarks/bench_bytegroup.py)
-LOSSLESS_LEVEL = 1
-#: raw float payloads of at most this many bytes are stored as they are (coder 0), not coded:
-#: sixteen float32 values code to more than their own bytes
-RAW_FLOATS_MAX = 64
 #: raw float chunks smaller than this are always stored whole, never tried against the parent's
 #: chunk. Why: trying costs two reads of the base object, decoding it and a second coding pass
 #: (about 0.2 ms per chunk here, 10-15 % of a save of thousands of small tensors), and on
@@ -95,123 +66,7 @@ FLOAT_DELTA_MIN = 16 << 10
 #: set to 1 to decode raw-float objects too before they are stored and compare them with the
 #: payload they were meant to hold (quantized ones always are); on in the test suite and in CI
 VERIFY_WRITES_ENV = "INSHRINK_VERIFY_WRITES"
-#: the most bytes a chunk may decode to per stored byte of its object: a reader refuses to
-#: allocate a large array whose objects are smaller (``reader``), so the writer pads a
-#: closed-loop object up to it (an all-zero quantized chunk is about 42,000; blosc'd zeros
-#: about 4,000; a closed-loop residual with every element pruned could pass it)
-MAX_CHUNK_EXPANSION = 1 << 17
-MAX_CHAIN = 4096  # far above any keyframe interval; only a corrupt store gets here
 DEFAULT_KEYFRAME_INTERVAL = 8
-
-
-@dataclass(frozen=True)
-class ObjectHeader:
-    kind: int
-    coder: int
-    depth: int
-    logical_length: int
-    base: str | None
-    checksum: int
-    version: int = 2
-
-    @property
-    def is_delta(self) -> bool:
-        return self.kind == KIND_DELTA
-
-
-def parse_header(oid: str, data: bytes, stored_size: int | None = None) -> ObjectHeader:
-    """Parse and check the 40-byte header of object ``oid``.
-
-    With ``stored_size`` (the object's whole stored length) the declared logical length
-    is bounded by what the body can really hold, before anything is allocated:
-    a raw keyframe's logical length equals its body length, a zstd body expands at most
-    :data:`MAX_ZSTD_EXPANSION` times, and a delta rebuilds at most a payload header plus
-    two bytes per delta symbol. The checksum is not checked here (see :func:`_checked_body`).
-    """
-    if len(data) < HEADER_SIZE or bytes(data[:4]) not in VERSIONS:
-        raise IntegrityError(
-            f"Expected object {oid} to start with an object magic ({MAGIC_V2!r} or {MAGIC_V1!r}). "
-            f"Got {bytes(data[:4])!r} ({len(data)} bytes) instead: the object is corrupt. "
-            "Run `inshrink verify` to find what uses it."
-        )
-    magic, kind, coder, depth, length, base, checksum = HEADER.unpack_from(data, 0)
-    if kind not in (KIND_WHOLE, KIND_DELTA) or coder not in CODERS \
-            or (kind == KIND_DELTA and coder == CODER_PACKED_ZSTD):
-        raise IntegrityError(
-            f"Expected kind 0 or 1 and coder 0-4 (2 for keyframes only) in object {oid}. Got kind {kind}, coder "
-            f"{coder} instead: the object is corrupt. Run `inshrink verify` to find what uses it."
-        )
-    if (
-        (kind == KIND_WHOLE and (depth != 0 or any(base)))
-        or (kind == KIND_DELTA and not 1 <= depth <= MAX_CHAIN)
-    ):
-        raise IntegrityError(
-            f"Expected object {oid}'s header to be consistent (a keyframe has depth 0 and no "
-            f"base, a delta depth 1..{MAX_CHAIN}). Got kind {kind}, depth {depth} instead: the "
-            "object is corrupt. Run `inshrink verify` to find what uses it."
-        )
-    if stored_size is not None:
-        _check_length(oid, kind, coder, length, stored_size - HEADER_SIZE)
-    base_id = base.hex() if kind == KIND_DELTA else None
-    return ObjectHeader(kind, coder, depth, length, base_id, checksum, VERSIONS[bytes(magic)])
-
-
-def _max_logical(kind: int, coder: int, body_len: int) -> int:
-    """The largest logical payload a body of ``body_len`` bytes can decode to."""
-    if coder == CODER_BYTEGROUP:  # keyframe or XOR delta: the same bound
-        return body_len * MAX_BYTEGROUP_EXPANSION
-    if coder == CODER_CLOSED_LOOP:  # keyframe or residual delta: one float32 per id
-        return closed_loop.max_logical(body_len)
-    if coder == CODER_ZSTD:
-        body_len *= MAX_ZSTD_EXPANSION
-    elif coder == CODER_PACKED_ZSTD:  # unpacking at most doubles the ids
-        body_len *= 2 * MAX_ZSTD_EXPANSION
-    if kind == KIND_DELTA:  # vdelta: every zstd'd symbol (1 or 2 bytes) -> one id of <= 2 bytes
-        return _payload.HEADER_SIZE + 2 * MAX_ZSTD_EXPANSION * body_len
-    return body_len
-
-
-def stream_limit(kind: int, coder: int, logical_length: int, body_len: int) -> int:
-    """The most bytes the zstd frame of a coder 1 or 2 body may decompress to.
-
-    The one definition of that bound: the reader decompresses with it as the limit, and the
-    writer checks every stream against it before it stores the object (:func:`keyframe_body`),
-    so a committed object is never one its reader refuses. A whole zstd keyframe holds the
-    payload itself (its logical length); a packed keyframe (coder 2) holds the payload with
-    its ids two to a byte, which escapes can make longer than the payload
-    (:func:`_nibbles.max_packed_length`); a zstd delta holds a vdelta stream, bounded by
-    zstd's own expansion of the body."""
-    if coder == CODER_PACKED_ZSTD:
-        return _nibbles.max_packed_length(logical_length)
-    if kind == KIND_DELTA:
-        return body_len * MAX_ZSTD_EXPANSION
-    return logical_length
-
-
-def _check_stream(coder: int, logical_length: int, stream: bytes | memoryview) -> None:
-    """Writer side of :func:`stream_limit` for a keyframe's stream (the writer zstd-codes no
-    delta): a stream past the reader's bound is a bug here, raised before anything is
-    stored, never a version committed that cannot be read back."""
-    limit = stream_limit(KIND_WHOLE, coder, logical_length, 0)
-    if memoryview(stream).nbytes > limit:
-        raise WriteCheckError(
-            f"Expected the coder {coder} stream of a {logical_length}-byte payload to hold at "
-            f"most {limit} bytes, the reader's bound. Got {memoryview(stream).nbytes} instead; "
-            "nothing was stored. This is a bug in inshrink-store: please report it.")
-
-
-def _check_length(oid: str, kind: int, coder: int, length: int, body_len: int) -> None:
-    exact = kind == KIND_WHOLE and coder == CODER_NONE
-    if body_len < 0 or (length != body_len if exact else length > _max_logical(kind, coder, body_len)):
-        bound = f"equal to its body length {body_len}" if exact else (
-            f"at most {_max_logical(kind, coder, max(body_len, 0))} bytes for a "
-            f"{max(body_len, 0)}-byte {'zstd ' if coder != CODER_NONE else ''}"
-            f"{'delta' if kind == KIND_DELTA else 'keyframe'} body"
-        )
-        raise IntegrityError(
-            f"Expected object {oid} to declare a logical length {bound}. Got {length} instead: "
-            "the object is corrupt. Run `inshrink verify` to find what uses it."
-        )
 
 
 @dataclass(frozen=True)
@@ -331,7 +186,7 @@ class ObjectStore:
         if short > 0:  # zero padding after the stream, which its reader ignores
             body += bytes(short)
         if not why:
-            stored = _frame(KIND_DELTA if closed.residual else KIND_WHOLE, CODER_CLOSED_LOOP, depth, view,
+            stored = frame(KIND_DELTA if closed.residual else KIND_WHOLE, CODER_CLOSED_LOOP, depth, view,
                             base if closed.residual else None, body)
             try:
                 self._check_writable(oid, stored, view)
@@ -366,7 +221,7 @@ class ObjectStore:
             return
         base = None if header.base is None else self.get(header.base)
         try:
-            decoded = _decode_body(oid, header, _checked_body(oid, header, stored), base, self._delta)
+            decoded = decode_body(oid, header, checked_body(oid, header, stored), base, self._delta)
         except IntegrityError as exc:
             decoded, why = b"", str(exc)
         else:
@@ -381,7 +236,7 @@ class ObjectStore:
     def _encode(self, payload: bytes, base: str | None) -> bytes:
         quantized = is_quantized_payload(payload)
         coder, body = keyframe_body(payload)
-        whole = _frame(KIND_WHOLE, coder, 0, payload, None, body)
+        whole = frame(KIND_WHOLE, coder, 0, payload, None, body)
         if not quantized or base is None or base == content_id(payload):
             return whole
         try:
@@ -396,25 +251,25 @@ class ObjectStore:
             return whole  # a shape change or an unreadable base: a keyframe is always correct
         if not worth_delta(len(delta), len(body)):
             return whole
-        return _frame(KIND_DELTA, CODER_NONE, base_header.depth + 1, payload, base, delta)
+        return frame(KIND_DELTA, CODER_NONE, base_header.depth + 1, payload, base, delta)
 
     def _encode_floats(self, payload: memoryview, base: str | None, element: str) -> bytes:
         """Coder 3: the payload's byte planes coded apart; a delta when a plane codes smaller
         as the XOR with the base payload's (same element count: the same tensor's chunk one
         version back) and the whole is clearly smaller than the keyframe. With a usable base,
         the keyframe and the delta come from one coding of the planes."""
-        _check_floats(payload, element)
+        check_floats(payload, element)
         base_payload, depth = self._float_base(payload, base)
         if base_payload is None:
             coder, body = keyframe_body(payload, element)
-            return _frame(KIND_WHOLE, coder, 0, payload, None, body)
+            return frame(KIND_WHOLE, coder, 0, payload, None, body)
         keyframe, delta = bytegroup.encode_keyframe_and_delta(
             np.frombuffer(payload, np.uint8), element, LOSSLESS_LEVEL, "zstd+huffman",
             base=np.frombuffer(base_payload, np.uint8))
-        coder, body = _float_keyframe(payload, keyframe)  # the delta must beat what a keyframe stores
+        coder, body = float_keyframe(payload, keyframe)  # the delta must beat what a keyframe stores
         if delta is None or not worth_delta(len(delta), len(body)):
-            return _frame(KIND_WHOLE, coder, 0, payload, None, body)
-        return _frame(KIND_DELTA, CODER_BYTEGROUP, depth + 1, payload, base, delta)
+            return frame(KIND_WHOLE, coder, 0, payload, None, body)
+        return frame(KIND_DELTA, CODER_BYTEGROUP, depth + 1, payload, base, delta)
 
     def _float_base(self, payload: memoryview, base: str | None) -> tuple[bytes | None, int]:
         """(the base's payload, its depth) when raw floats can be coded against object
@@ -504,7 +359,7 @@ class ObjectStore:
                     f"deeper than its base {current} (depth {header.depth}). Got a mismatch "
                     "instead: one of them is corrupt. Run `inshrink verify`."
                 )
-            body = _checked_body(current, header, stored)
+            body = checked_body(current, header, stored)
             chain.append((current, header, body))
             current = header.base
         return chain, base_payload
@@ -512,7 +367,7 @@ class ObjectStore:
     def _decode_links(self, chain: list[tuple[str, ObjectHeader, memoryview]], base_payload: bytes | None) -> bytes:
         """``chain[0]``'s payload, link by link from the bottom, each link's id checked and cached."""
         for cid, header, checked in reversed(chain):
-            payload = _decode_body(cid, header, checked, base_payload, self._delta)
+            payload = decode_body(cid, header, checked, base_payload, self._delta)
             if len(payload) != header.logical_length or content_id(payload) != cid:
                 raise IntegrityError(
                     f"Expected object {cid} to decode to {header.logical_length} bytes with that "
@@ -588,136 +443,3 @@ def _missing(oid: str) -> NotFoundError:
 def verify_writes() -> bool:
     """Whether ``INSHRINK_VERIFY_WRITES`` asks every stored object to be decoded first."""
     return os.environ.get(VERIFY_WRITES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def keyframe_body(payload: bytes | memoryview, element: str | None = None) -> tuple[int, bytes]:
-    """(coder, body) of a payload stored whole: raw floats of ``element`` as a bytegroup
-    chunk (coder 3); a quantized payload zstd-compressed, as it is or with its ids two per
-    byte (whichever is smaller; the plain form on a tie); anything else raw. The search's
-    ratio estimate calls this too, so it measures what is stored."""
-    if element is not None:
-        _check_floats(payload, element)
-        if len(payload) <= RAW_FLOATS_MAX:
-            return CODER_NONE, bytes(payload)
-        return _float_keyframe(payload, bytegroup.encode_chunk(np.frombuffer(payload, np.uint8), element,
-                                                               LOSSLESS_LEVEL, "zstd+huffman"))
-    if not is_quantized_payload(payload):
-        return CODER_NONE, bytes(payload)
-    body = _zstd.compress(payload, ZSTD_LEVEL)
-    if _nibbles.packable(payload):
-        stream = _nibbles.pack(payload)
-        _check_stream(CODER_PACKED_ZSTD, len(payload), stream)
-        # a packed stream longer than its payload is never written, though readers take it:
-        # releases e41198a..a828d53 refuse such objects, and a store may be read by one
-        # not yet upgraded (such streams are rare: most ids escaped)
-        packed = _zstd.compress(stream, ZSTD_LEVEL) if len(stream) <= len(payload) else body
-        if len(packed) < len(body):
-            return CODER_PACKED_ZSTD, packed
-    return CODER_ZSTD, body
-
-
-def _float_keyframe(payload: bytes | memoryview, coded: bytes) -> tuple[int, bytes]:
-    """(coder, body) of raw floats stored whole: their bytegroup coding, or the raw bits
-    (coder 0) where the coding is no smaller (a few elements: its plane headers outweigh
-    what coding saves; a 4-byte step counter took 72 bytes coded)."""
-    if len(coded) >= len(payload):
-        return CODER_NONE, bytes(payload)
-    return CODER_BYTEGROUP, coded
-
-
-def _check_floats(payload: bytes | memoryview, element: str) -> None:
-    """A payload of raw floats must be whole elements of a type coder 3 codes."""
-    if element not in ELEMENTS:
-        raise FormatError(f"Expected a float element type in {list(ELEMENTS)}. Got {element!r} instead.")
-    if len(payload) % bytegroup.carrier(element).itemsize:
-        raise FormatError(f"Expected whole {element} elements. Got a payload of {len(payload)} bytes instead.")
-
-
-def _frame(
-    kind: int, coder: int, depth: int, payload: bytes | memoryview, base: str | None, body: bytes,
-    version: int = 2,
-) -> bytes:
-    """Header + body; ``version=1`` writes the old format (only tests need it)."""
-    base_raw = bytes.fromhex(base) if base else bytes(16)
-    magic = MAGIC_V2 if version == 2 else MAGIC_V1
-    head = HEADER.pack(magic, kind, coder, depth, len(payload), base_raw, 0)[:CHECKED_HEADER]
-    checksum = _checksum(head if version == 2 else b"", body)
-    return head + struct.pack("<Q", checksum) + body
-
-
-def _checksum(head: bytes | memoryview, body: bytes | memoryview) -> int:
-    hasher = xxhash.xxh3_64()
-    hasher.update(head)
-    hasher.update(body)
-    return hasher.intdigest()
-
-
-def _checked_body(oid: str, header: ObjectHeader, stored: bytes) -> memoryview:
-    view = memoryview(stored)
-    body = view[HEADER_SIZE:]
-    head = view[:CHECKED_HEADER] if header.version == 2 else b""
-    if _checksum(head, body) != header.checksum:
-        raise IntegrityError(
-            f"Expected object {oid} to match its stored checksum. Got a mismatch instead: "
-            "the object's bytes are corrupt. Run `inshrink verify` to find what uses it."
-        )
-    return body
-
-
-def _bounded_zstd(oid: str, body: bytes | memoryview, limit: int) -> bytes:
-    """Decompress one zstd frame in steps, failing as soon as the output passes ``limit``."""
-    try:
-        return _zstd.decompress(body, limit, f"the body of object {oid}")
-    except FormatError as exc:
-        raise IntegrityError(
-            f"{exc} Object {oid} is corrupt. Run `inshrink verify` to find what uses it."
-        ) from None
-
-
-def _decode_body(
-    oid: str, header: ObjectHeader, body: bytes | memoryview, base: bytes | None, delta: VDelta
-) -> bytes:
-    try:
-        if header.coder in (CODER_ZSTD, CODER_PACKED_ZSTD):
-            limit = stream_limit(header.kind, header.coder, header.logical_length, len(body))
-            body = _bounded_zstd(oid, body, limit)
-            if header.coder == CODER_PACKED_ZSTD:  # a keyframe (parse_header refuses packed deltas)
-                body = _nibbles.unpack(body)
-        elif header.coder == CODER_BYTEGROUP:
-            return _decode_floats(oid, header, body, base)
-        elif header.coder == CODER_CLOSED_LOOP:
-            if header.is_delta and base is None:
-                raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
-            return closed_loop.decode(body, header.logical_length, base)
-        if header.is_delta:
-            if base is None:
-                raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
-            return bytes(delta.decode(body, base=base))
-        return bytes(body)
-    except (IntegrityError, MemoryError):
-        raise
-    except Exception as exc:  # FormatError, zstd's, numpy's on a hostile body or base: any of them
-        raise undecodable(oid, exc) from exc
-
-
-def undecodable(oid: str, exc: BaseException) -> IntegrityError:
-    """The one error for an object (or residual piece) ``oid`` that does not decode, whatever
-    the decoder raised: every reader, ``verify`` and the residual's pieces name the object
-    alike. Why one definition: a coder-4 delta on a base of odd length raised numpy's raw
-    ValueError in ``verify`` while a read (through zarr) wrapped it without naming the object."""
-    return IntegrityError(
-        f"Expected object {oid} to decode. Got {type(exc).__name__}: {exc} instead: the object is corrupt. "
-        "Run `inshrink verify` to find what uses it.")
-
-
-def _decode_floats(oid: str, header: ObjectHeader, body: bytes | memoryview, base: bytes | None) -> bytes:
-    """Coder 3: the raw float payload of a bytegroup body (a delta's XOR planes against its
-    base's payload); the element type is the chunk's own, its size the header's."""
-    data = np.frombuffer(body, np.uint8)
-    code = bytegroup.parse(data)[0]
-    base_data = None
-    if header.is_delta:
-        if base is None:
-            raise IntegrityError(f"Expected a base for delta object {oid}. Got none.")
-        base_data = np.frombuffer(base, np.uint8)
-    return bytegroup.decode_to_bytes(data, bytegroup.DTYPE_NAMES[code], base=base_data, size=header.logical_length)

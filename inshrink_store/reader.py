@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zarr
 
-from inshrink_store import cas, dtypes, whole_read
+from inshrink_store import dtypes, object_format, whole_read
 from inshrink_store.dtypes import bf16_to_float32  # noqa: F401 - re-exported
 from inshrink_store.errors import InshrinkError, IntegrityError, NotFoundError
 from inshrink_store.index import (  # noqa: F401 - MAX_MISSING_CHUNKS re-exported
@@ -39,7 +39,7 @@ _T = TypeVar("_T")
 
 #: the most bytes one chunk may decode to per stored byte of its object (defined with the
 #: objects, whose writer keeps to it)
-MAX_CHUNK_EXPANSION = cas.MAX_CHUNK_EXPANSION
+MAX_CHUNK_EXPANSION = object_format.MAX_CHUNK_EXPANSION
 _PARALLEL_READS = 8  # tensors read at once by read_many from an object store (waits on requests)
 _PARALLEL_SIZES = 8
 

@@ -36,12 +36,13 @@ import numpy as np
 import xxhash
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.cas import ObjectStore, undecodable
+from inshrink_store.cas import ObjectStore
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES, ByteGroup
 from inshrink_store.codecs.nuq import quantizer
 from inshrink_store.errors import FormatError, InshrinkError, IntegrityError, NotFoundError
 from inshrink_store.layout import check_id, residual_path
 from inshrink_store.manifest import canonical_json, content_id, parse_document
+from inshrink_store.object_format import undecodable
 from inshrink_store.storage import Storage
 
 PIECE_BYTES = 4 << 20

@@ -41,7 +41,7 @@ from zarr.core.dtype import get_data_type_from_native_dtype
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
-from inshrink_store import cas, dtypes
+from inshrink_store import dtypes, object_format
 from inshrink_store.cas import ClosedLoopCoding
 from inshrink_store.codecs.bytegroup import ELEMENT_DTYPES as BYTEGROUP_DTYPES
 from inshrink_store.codecs.bytegroup import ByteGroupZarrCodec, carrier
@@ -54,7 +54,7 @@ from inshrink_store.zarr_store import InshrinkStore, PendingChunks, SnapshotChun
 
 CHUNK_BYTES = 4 << 20  # see docs/understanding/chunking.md
 #: zstd level of the lossless float coding (the object store's coder 3)
-LOSSLESS_LEVEL = cas.LOSSLESS_LEVEL
+LOSSLESS_LEVEL = object_format.LOSSLESS_LEVEL
 Chunking = Callable[[tuple[int, ...], int], tuple[int, ...]]
 
 

@@ -19,7 +19,6 @@ from inshrink_store.admin.reachability import (
     residuals_near_heads,
     with_bases,
 )
-from inshrink_store.cas import HEADER_SIZE
 from inshrink_store.errors import (
     ConflictError,
     FormatError,
@@ -38,6 +37,7 @@ from inshrink_store.layout import (
     object_path,
     parse_branch_listing,
 )
+from inshrink_store.object_format import HEADER_SIZE
 from inshrink_store.parts import StoreParts
 from inshrink_store.storage import Storage
 

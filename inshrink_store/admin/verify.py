@@ -10,11 +10,12 @@ from typing import Any
 
 from inshrink_store import residual
 from inshrink_store.admin.reachability import kept_residuals, snapshot_closure
-from inshrink_store.cas import ObjectHeader, ObjectStore
+from inshrink_store.cas import ObjectStore
 from inshrink_store.dcp_document import check_attributes
 from inshrink_store.errors import InshrinkError, NotFoundError
 from inshrink_store.history import SnapshotInfo
 from inshrink_store.manifest import NodeTree
+from inshrink_store.object_format import ObjectHeader
 from inshrink_store.parallel import map_in_order
 from inshrink_store.parts import StoreParts
 

@@ -73,7 +73,7 @@ def encode(payload: bytes | memoryview, centres: np.ndarray) -> bytes:
     inner, stream = INNER_ZSTD, _zstd.compress(payload, ZSTD_LEVEL)
     if _nibbles.packable(payload):
         packed = _nibbles.pack(payload)
-        if len(packed) <= len(payload):  # see cas.keyframe_body: never longer than the payload
+        if len(packed) <= len(payload):  # see object_format.keyframe_body: never longer than the payload
             coded = _zstd.compress(packed, ZSTD_LEVEL)
             if len(coded) < len(stream):
                 inner, stream = INNER_PACKED, coded

@@ -19,7 +19,7 @@ protect / prune / metric):
   independently with the right frequencies: it was within 3 % on unstructured tensors but
   priced such tensors 20 % too high, and the search chose worse configurations for them;
 - the bytes: the sample is coded by the very function that codes a stored keyframe
-  (:func:`inshrink_store.cas.keyframe_body`: zstd, nibble-packed ids when smaller) and
+  (:func:`inshrink_store.object_format.keyframe_body`: zstd, nibble-packed ids when smaller) and
   scaled to the tensor. The payload holds the ids, then the protected words: while the ids
   fit one zstd block (:data:`BLOCK_BYTES`) the coder sees both in one block, where the
   words' bytes disturb the ids' Huffman table, so the sample is coded with its own words;
@@ -39,9 +39,9 @@ import math
 import numpy as np
 
 from inshrink_store import dtypes
-from inshrink_store.cas import keyframe_body
 from inshrink_store.codecs import _payload
 from inshrink_store.codecs.nuq import nearest_index
+from inshrink_store.object_format import keyframe_body
 from inshrink_store.policy.partition import Part, TensorSample
 
 #: zstd's largest block (128 KiB): while the ids fit one, the protected words that follow

@@ -26,11 +26,11 @@ from typing import Any, cast
 import numpy as np
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.cas import ZSTD_LEVEL
 from inshrink_store.codecs import _zstd
 from inshrink_store.codecs.nuq import protected_values
 from inshrink_store.dtypes import FLOAT_NAMES
 from inshrink_store.errors import FormatError
+from inshrink_store.object_format import ZSTD_LEVEL
 from inshrink_store.parallel import map_in_order, write_threads
 from inshrink_store.policy.codebook_choice import choose_codebook
 from inshrink_store.policy.kmeans import fit_codebook

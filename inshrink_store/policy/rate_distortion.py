@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.cas import keyframe_body
 from inshrink_store.codecs import _payload
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
+from inshrink_store.object_format import keyframe_body
 from inshrink_store.policy.kmeans import fit_codebook, through_dtype
 from inshrink_store.policy.partition import protected_mask, sample_index, sum_of_products
 from inshrink_store.policy.sketch import LogSketch
@@ -158,7 +158,7 @@ def cost(o: Option) -> float:
 
 def _coded_ids(ids: np.ndarray, levels: int) -> int:
     """Bytes of byte-wide ids (``levels`` counting the protected id) as the store codes them in
-    a keyframe (:func:`inshrink_store.cas.keyframe_body`); the protected words are left out."""
+    a keyframe (:func:`inshrink_store.object_format.keyframe_body`); the protected words are left out."""
     protected = np.zeros(int(np.count_nonzero(ids == levels - 1)), np.uint16)
     return len(keyframe_body(_payload.pack(levels, ids, "bfloat16", protected))[1])
 

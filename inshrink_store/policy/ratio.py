@@ -9,11 +9,11 @@ ratio of a planner used on its own. It encodes each tensor the way the store doe
 - a lossless tensor by writing it the writer's own way (:func:`inshrink_store.writer.create_array`
   with :func:`inshrink_store.writer.lossless_codecs`: raw bits for float32, float16 and
   bfloat16, Blosc zstd + shuffle otherwise) into a zarr memory store, each chunk then
-  coded as the object store codes a keyframe of it (:func:`inshrink_store.cas.keyframe_body`:
+  coded as the object store codes a keyframe of it (:func:`inshrink_store.object_format.keyframe_body`:
   ``inshrink.bytegroup`` planes for raw floats): same codecs, chunk grid and padded edge
   chunks, so a change to the writer's codec choice changes the estimate with it;
 - a quantized tensor as its ``inshrink.nuq`` payload coded the way the object store codes a
-  keyframe (:func:`inshrink_store.cas.keyframe_body`: zstd, with ids two per byte when that
+  keyframe (:func:`inshrink_store.object_format.keyframe_body`: zstd, with ids two per byte when that
   is smaller), encoded whole. A tensor of more
   than one chunk (over 1 Mi float32 elements) costs the store a few hundred more bytes
   per chunk; the whole-tensor payload keeps every candidate measured alike, which is all
@@ -33,10 +33,10 @@ import zarr
 from zarr.core.buffer import Buffer
 
 from inshrink_store import dtypes
-from inshrink_store.cas import ELEMENTS, keyframe_body
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.errors import FormatError
 from inshrink_store.index import METADATA_KEY
+from inshrink_store.object_format import ELEMENTS, keyframe_body
 from inshrink_store.plans import ArrayPlan
 from inshrink_store.writer import create_array, lossless_codecs
 

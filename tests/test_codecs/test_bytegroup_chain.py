@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrink_store import cas
+from inshrink_store import cas, object_format
 from inshrink_store.codecs import bytegroup as bg
 from inshrink_store.errors import FormatError, InshrinkError, IntegrityError
 from inshrink_store.layout import object_path
@@ -244,7 +244,7 @@ def _store_chain(links: int = 5, n: int = 1 << 15) -> tuple[cas.ObjectStore, lis
     for data in versions:
         ids.append(objects.put(data.tobytes(), base=ids[-1] if ids else None, element="float32").oid)
     headers = [objects.header(oid) for oid in ids]
-    assert [h.depth for h in headers] == list(range(links + 1)) and all(h.coder == cas.CODER_BYTEGROUP for h in headers)
+    assert [h.depth for h in headers] == list(range(links + 1)) and all(h.coder == object_format.CODER_BYTEGROUP for h in headers)
     return objects, ids, versions
 
 
@@ -270,10 +270,10 @@ def _rewrite(objects: cas.ObjectStore, oid: str, change: object) -> None:
     """Object ``oid`` with its body changed by ``change(body)`` and its checksum recomputed:
     damage only its decoding can find."""
     stored = objects.storage.read(object_path(oid))
-    header = cas.parse_header(oid, stored)
-    body = bytearray(stored[cas.HEADER_SIZE:])
+    header = object_format.parse_header(oid, stored)
+    body = bytearray(stored[object_format.HEADER_SIZE:])
     change(body)  # type: ignore[operator]
-    objects.storage.write(object_path(oid), cas._frame(header.kind, header.coder, header.depth, bytes(header.logical_length),
+    objects.storage.write(object_path(oid), object_format.frame(header.kind, header.coder, header.depth, bytes(header.logical_length),
                                                         header.base, bytes(body)))
 
 

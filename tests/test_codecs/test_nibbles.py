@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import cas, object_format
 from inshrink_store.codecs import _nibbles, _payload
 from inshrink_store.errors import FormatError, IntegrityError
 from inshrink_store.policy import QuantConfig
@@ -71,8 +71,8 @@ def _object_coder(repo: ins.Repository, tensor: str) -> int:
     return cas.ObjectStore(repo._storage).header(oid).coder
 
 
-@pytest.mark.parametrize(("bins", "coder"), [(4, cas.CODER_PACKED_ZSTD), (8, cas.CODER_PACKED_ZSTD),
-                                             (16, cas.CODER_PACKED_ZSTD), (64, cas.CODER_ZSTD)])
+@pytest.mark.parametrize(("bins", "coder"), [(4, object_format.CODER_PACKED_ZSTD), (8, object_format.CODER_PACKED_ZSTD),
+                                             (16, object_format.CODER_PACKED_ZSTD), (64, object_format.CODER_ZSTD)])
 def test_the_store_packs_few_level_keyframes_and_reads_them_back_exactly(memory_url: str, bins: int,
                                                                          coder: int) -> None:
     rng = np.random.default_rng(bins)
@@ -94,6 +94,6 @@ def test_a_packed_object_whose_body_lies_is_an_integrity_error(memory_url: str) 
     store = cas.ObjectStore(repo._storage)
     payload = store.get(oid)
     body = zstandard.ZstdCompressor().compress(_nibbles.pack(payload) + b"\0\0")
-    repo._storage.write(cas.object_path(oid), cas._frame(cas.KIND_WHOLE, cas.CODER_PACKED_ZSTD, 0, payload, None, body))
+    repo._storage.write(cas.object_path(oid), object_format.frame(object_format.KIND_WHOLE, object_format.CODER_PACKED_ZSTD, 0, payload, None, body))
     with pytest.raises(IntegrityError, match=oid):
         cas.ObjectStore(repo._storage).get(oid)

@@ -11,7 +11,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inshrink_store import cas
+from inshrink_store import cas, object_format
 from inshrink_store.codecs import _payload
 from inshrink_store.storage import open_storage
 from tests.test_fuzz._hostile import FAST, INTERESTING_INTS, SLOW, bounded, mutate_bytes
@@ -31,7 +31,7 @@ def _real_objects() -> dict[str, tuple[bytes, bytes]]:
     raw = objects.put(b"lossless chunk bytes" * 20).oid
     base = objects.put(_quantized(1)).oid
     delta = objects.put(_quantized(1, changed=30), base=base)
-    assert delta.kind == cas.KIND_DELTA
+    assert delta.kind == object_format.KIND_DELTA
     return {
         oid: (_STORAGE.read(cas.object_path(oid)), cas.ObjectStore(_STORAGE).get(oid))
         for oid in (raw, base, delta.oid)
@@ -67,7 +67,7 @@ def _crafted(data: st.DataObject) -> None:
     """Any header fields, with a *valid* checksum: only the bounds stand in the way."""
     oid = data.draw(st.sampled_from(OIDS), label="object")
     stored = REAL[oid][0]
-    _, kind, coder, depth, length, base, _ = cas.HEADER.unpack_from(stored)
+    _, kind, coder, depth, length, base, _ = object_format.HEADER.unpack_from(stored)
     kind = data.draw(st.sampled_from([kind, 0, 1, 2, 255]), label="kind")
     coder = data.draw(st.sampled_from([coder, 0, 1, 7]), label="coder")
     depth = data.draw(st.one_of(st.just(depth), st.integers(0, 65535)), label="depth")
@@ -75,14 +75,14 @@ def _crafted(data: st.DataObject) -> None:
                                  st.integers(0, 2**64 - 1)), label="length")
     base = data.draw(st.one_of(st.just(base), st.sampled_from([bytes.fromhex(o) for o in OIDS]),
                                st.binary(min_size=16, max_size=16)), label="base")
-    body = stored[cas.HEADER_SIZE:]
+    body = stored[object_format.HEADER_SIZE:]
     if data.draw(st.booleans(), label="zstd body"):
         size = data.draw(st.sampled_from([0, 1, 1000, 1 << 20, 8 << 20]), label="zstd size")
         body = zstandard.ZstdCompressor().compress(b"\0" * size)
     version = data.draw(st.sampled_from([1, 2]), label="version")
-    magic = cas.MAGIC_V2 if version == 2 else cas.MAGIC_V1
-    head = cas.HEADER.pack(magic, kind, coder, depth, length, base, 0)[: cas.CHECKED_HEADER]
-    checksum = cas._checksum(head if version == 2 else b"", body)
+    magic = object_format.MAGIC_V2 if version == 2 else object_format.MAGIC_V1
+    head = object_format.HEADER.pack(magic, kind, coder, depth, length, base, 0)[: object_format.CHECKED_HEADER]
+    checksum = object_format.object_checksum(head if version == 2 else b"", body)
     _read_back(oid, head + struct.pack("<Q", checksum) + body)
 
 

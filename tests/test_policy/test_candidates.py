@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import object_format
 from inshrink_store.dtypes import float32_to_bf16
 from inshrink_store.errors import FormatError
 from inshrink_store.plans import ArrayPlan
@@ -46,7 +46,7 @@ def _stored_chunk_bytes(repo: Any, snapshot: str, prefix: str = "model/") -> int
     """Bytes of the chunk objects the store keeps for tensors under ``prefix`` (headers excluded)."""
     reader = repo.checkout(snapshot)
     objects = reader.view.objects
-    return sum(objects.stored_size(oid) - cas.HEADER_SIZE
+    return sum(objects.stored_size(oid) - object_format.HEADER_SIZE
                for path, info in reader.arrays().items() if path.startswith(prefix)
                for key, oid in info.chunk_ids.items() if key != "zarr.json")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import object_format
 from inshrink_store.cas import ClosedLoopCoding
 from inshrink_store.policy import QuantConfig
 from inshrink_store.policy.closed_loop import CODING, ClosedLoop, parent_bases
@@ -36,7 +36,7 @@ def _save(repo: Any, parent: str | None, w: np.ndarray, config: QuantConfig) -> 
     return repo.save(tensors, quantize=plans), plans
 
 
-def _headers(repo: Any, version: str) -> list[cas.ObjectHeader]:
+def _headers(repo: Any, version: str) -> list[object_format.ObjectHeader]:
     objects = repo._parts.objects
     return [objects.header(oid) for key, oid in sorted(repo.checkout(version).index.chunk_ids(W).items())
             if key != "zarr.json"]
@@ -59,7 +59,7 @@ def test_versions_are_residual_chains_that_read_back_bit_for_bit_in_a_fresh_proc
         expected[info.id] = plans[W].values
         errors.append(float(np.linalg.norm(plans[W].values[1:] - w[1:]) / np.linalg.norm(w[1:])))
         kinds = {(h.kind, h.coder, h.depth) for h in _headers(repo, info.id)}
-        assert kinds == ({(0, cas.CODER_CLOSED_LOOP, 0)} if step % 4 == 0 else {(1, cas.CODER_CLOSED_LOOP, step % 4)})
+        assert kinds == ({(0, object_format.CODER_CLOSED_LOOP, 0)} if step % 4 == 0 else {(1, object_format.CODER_CLOSED_LOOP, step % 4)})
         assert repo.checkout(info.id).index.array(W).attributes["coding"] == CODING
     assert errors[3] < errors[0] / 4  # closed loop: each residual corrects what the last one missed
     script = (
@@ -120,7 +120,7 @@ def test_a_coding_that_does_not_decode_to_the_values_is_stored_as_raw_floats(cap
         second = repo.save(tensors, quantize=bad)
     assert "stored as raw floats" in caplog.text
     assert np.array_equal(repo.checkout(second.id).read(W), good.values)
-    assert {h.coder for h in _headers(repo, second.id)} <= {cas.CODER_BYTEGROUP, cas.CODER_NONE}
+    assert {h.coder for h in _headers(repo, second.id)} <= {object_format.CODER_BYTEGROUP, object_format.CODER_NONE}
 
 
 def test_a_mostly_pruned_residual_is_padded_to_the_readers_bound() -> None:
@@ -135,11 +135,11 @@ def test_a_mostly_pruned_residual_is_padded_to_the_readers_bound() -> None:
     residual[7] = 1.0
     from inshrink_store.codecs import closed_loop
     body = closed_loop.encode(q.encode(residual), np.array([0.0, 1.0], np.float32))
-    assert len(body) < n * 4 // cas.MAX_CHUNK_EXPANSION  # would be refused unpadded
+    assert len(body) < n * 4 // object_format.MAX_CHUNK_EXPANSION  # would be refused unpadded
     result = objects.put((base + residual).tobytes(), base=base_id, element="float32",
                          closed=ClosedLoopCoding(body, True))
-    assert objects.stored_size(result.oid) >= n * 4 // cas.MAX_CHUNK_EXPANSION
-    assert objects.header(result.oid).coder == cas.CODER_CLOSED_LOOP
+    assert objects.stored_size(result.oid) >= n * 4 // object_format.MAX_CHUNK_EXPANSION
+    assert objects.header(result.oid).coder == object_format.CODER_CLOSED_LOOP
     assert objects.get(result.oid) == (base + residual).tobytes()
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas, index
+from inshrink_store import cas, index, object_format
 from inshrink_store.codecs import _payload
 from inshrink_store.zarr_store import tree_path
 
@@ -86,7 +86,7 @@ def test_every_single_byte_flip_of_an_object_is_caught(memory_url: str) -> None:
 def test_flipped_byte_is_reported_with_its_users(repo: ins.Repository) -> None:
     oid = _chunk(repo, "b")
     assert oid == _chunk(repo, "b", "main~1")
-    _rewrite(repo, cas.object_path(oid), _flip(cas.HEADER_SIZE + 3))
+    _rewrite(repo, cas.object_path(oid), _flip(object_format.HEADER_SIZE + 3))
     fresh = _fresh(repo)
     with pytest.raises(ins.IntegrityError, match="checksum") as info:
         fresh.checkout("main~1").read("b")
@@ -102,7 +102,7 @@ def test_flipped_byte_is_reported_with_its_users(repo: ins.Repository) -> None:
 
 def test_truncated_object(repo: ins.Repository) -> None:
     oid = _chunk(repo, "w")
-    for keep in (0, 10, cas.HEADER_SIZE, cas.HEADER_SIZE + 5):
+    for keep in (0, 10, object_format.HEADER_SIZE, object_format.HEADER_SIZE + 5):
         _rewrite(repo, cas.object_path(oid), lambda data, keep=keep: bytes(data[:keep]))
         with pytest.raises(ins.IntegrityError, match=oid):
             _fresh(repo).checkout("main").read("w")
@@ -159,10 +159,10 @@ def test_corrupt_delta_base_and_chain_loop(memory_url: str) -> None:
     objects = repo._objects
     base = objects.put(_quantized(7)).oid
     child = objects.put(_quantized(7, changed=20), base=base)
-    assert child.kind == cas.KIND_DELTA
+    assert child.kind == object_format.KIND_DELTA
     assert cas.ObjectStore(repo._storage).get(child.oid) == _quantized(7, changed=20)
 
-    _rewrite(repo, cas.object_path(base), _flip(cas.HEADER_SIZE + 1))
+    _rewrite(repo, cas.object_path(base), _flip(object_format.HEADER_SIZE + 1))
     with pytest.raises(ins.IntegrityError, match=base):
         cas.ObjectStore(repo._storage).get(child.oid)
 
@@ -170,7 +170,7 @@ def test_corrupt_delta_base_and_chain_loop(memory_url: str) -> None:
     a, b = "a" * 32, "b" * 32
     body = b"\x00" * 8
     for oid, other in ((a, b), (b, a)):
-        repo._storage.write(cas.object_path(oid), cas._frame(cas.KIND_DELTA, 0, 1, body, other, body))
+        repo._storage.write(cas.object_path(oid), object_format.frame(object_format.KIND_DELTA, 0, 1, body, other, body))
     with pytest.raises(ins.IntegrityError, match="one deeper than its base"):
         cas.ObjectStore(repo._storage).get(a)
     with pytest.raises(ins.IntegrityError, match="loop"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import object_format
 from tests._cli_helpers import run
 
 
@@ -39,7 +39,7 @@ def _kept_delta_with_a_deleted_base(tmp_path: Path) -> tuple[str, ins.Repository
     reader = repo.checkout("main")
     oid = next(iter(reader.arrays()["model/w"].chunk_ids.values()))
     chain = reader.view.objects.chain(oid)
-    assert reader.view.objects.header(oid).kind == cas.KIND_DELTA and len(chain) > 1
+    assert reader.view.objects.header(oid).kind == object_format.KIND_DELTA and len(chain) > 1
     kept = {repo.snapshot(sid).step for sid in repo.snapshot_ids()}
     assert kept == {2, 3}  # the keyframe at the end of the chain belonged to step 0, now deleted
     return url, repo

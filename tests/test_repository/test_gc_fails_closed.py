@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import object_format
 from inshrink_store.errors import StorageError
 from inshrink_store.layout import object_path, residual_path, snapshot_path
 from inshrink_store.policy import QuantConfig
@@ -245,7 +245,7 @@ def test_verify_reports_a_coder_4_delta_on_a_base_of_odd_length_as_an_integrity_
     base = objects.put(b"\x01\x02\x03\x04\x05\x06").oid  # a raw keyframe of 6 bytes
     q = quantizer((-1.0, 0.0, 1.0), 0.0, "float32", "float32")
     body = closed_loop.encode(q.encode(np.round(values)), np.asarray(q.centres, np.float32))
-    crafted = cas._frame(cas.KIND_DELTA, cas.CODER_CLOSED_LOOP, 1, values.tobytes(), base, body)
+    crafted = object_format.frame(object_format.KIND_DELTA, object_format.CODER_CLOSED_LOOP, 1, values.tobytes(), base, body)
     repo._storage.write(object_path(oid), crafted)
 
     report = ins.open(memory_url).verify()

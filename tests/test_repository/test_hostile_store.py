@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 import inshrink_store as ins
-from inshrink_store import cas, index, manifest, reader, refs
+from inshrink_store import cas, index, manifest, object_format, reader, refs
 from inshrink_store.codecs import _payload, vdelta
 from inshrink_store.codecs.nuq import NUQ, NUQZarrCodec
 from inshrink_store.codecs.vdelta import VDelta
@@ -35,9 +35,9 @@ def _set_length(stored: bytes, length: int) -> bytes:
 def _crafted(kind: int, coder: int, depth: int, length: int, base: str | None, body: bytes,
              version: int = 2) -> bytes:
     base_raw = bytes.fromhex(base) if base else bytes(16)
-    magic = cas.MAGIC_V2 if version == 2 else cas.MAGIC_V1
-    head = cas.HEADER.pack(magic, kind, coder, depth, length, base_raw, 0)[: cas.CHECKED_HEADER]
-    return head + struct.pack("<Q", cas._checksum(head if version == 2 else b"", body)) + body
+    magic = object_format.MAGIC_V2 if version == 2 else object_format.MAGIC_V1
+    head = object_format.HEADER.pack(magic, kind, coder, depth, length, base_raw, 0)[: object_format.CHECKED_HEADER]
+    return head + struct.pack("<Q", object_format.object_checksum(head if version == 2 else b"", body)) + body
 
 
 @pytest.fixture
@@ -52,8 +52,8 @@ def test_objects_are_written_as_format_2_with_the_header_checksummed(repo: ins.R
     oid = repo._objects.put(b"hello world").oid
     stored = repo._storage.read(cas.object_path(oid))
     assert stored[:4] == b"ISO\x02"
-    head = stored[: cas.CHECKED_HEADER]
-    expected = cas._checksum(head, stored[cas.HEADER_SIZE:])
+    head = stored[: object_format.CHECKED_HEADER]
+    expected = object_format.object_checksum(head, stored[object_format.HEADER_SIZE:])
     assert struct.unpack_from("<Q", stored, 32)[0] == expected
 
 
@@ -62,13 +62,13 @@ def test_format_1_objects_still_read(repo: ins.Repository) -> None:
     oid = manifest.content_id(payload)
     body = zstandard.ZstdCompressor().compress(payload)
     repo._storage.write(cas.object_path(oid),
-                       cas._frame(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, payload, None, body, version=1))
+                       object_format.frame(object_format.KIND_WHOLE, object_format.CODER_ZSTD, 0, payload, None, body, version=1))
     assert cas.ObjectStore(repo._storage).get(oid) == payload
     assert cas.ObjectStore(repo._storage).header(oid).version == 1
     raw = b"plain bytes"
     rid = manifest.content_id(raw)
     repo._storage.write(cas.object_path(rid),
-                       cas._frame(cas.KIND_WHOLE, cas.CODER_NONE, 0, raw, None, raw, version=1))
+                       object_format.frame(object_format.KIND_WHOLE, object_format.CODER_NONE, 0, raw, None, raw, version=1))
     assert cas.ObjectStore(repo._storage).get(rid) == raw
 
 
@@ -80,11 +80,11 @@ def test_one_flipped_bit_in_the_logical_length_is_an_integrity_error(
     payload = _quantized()
     oid = manifest.content_id(payload)
     body = zstandard.ZstdCompressor().compress(payload)
-    stored = cas._frame(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, payload, None, body, version=version)
+    stored = object_format.frame(object_format.KIND_WHOLE, object_format.CODER_ZSTD, 0, payload, None, body, version=version)
     length = struct.unpack_from("<Q", stored, 8)[0] ^ (1 << bit)
     # re-checksummed: a crafted length, not only a corrupt one, must be refused
     for data in (_set_length(stored, length),
-                 _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, length, None, body, version)):
+                 _crafted(object_format.KIND_WHOLE, object_format.CODER_ZSTD, 0, length, None, body, version)):
         repo._storage.write(cas.object_path(oid), data)
         with pytest.raises(IntegrityError, match=oid):
             cas.ObjectStore(repo._storage).get(oid)
@@ -93,10 +93,10 @@ def test_one_flipped_bit_in_the_logical_length_is_an_integrity_error(
 @pytest.mark.parametrize("length", [0, 7, 2**40, 2**63, 2**64 - 1])
 def test_crafted_lengths_never_allocate(repo: ins.Repository, length: int) -> None:
     oid = "ab" * 16
-    for coder, body in ((cas.CODER_NONE, b"x" * 8),
-                        (cas.CODER_ZSTD, zstandard.ZstdCompressor().compress(b"\0" * 100))):
+    for coder, body in ((object_format.CODER_NONE, b"x" * 8),
+                        (object_format.CODER_ZSTD, zstandard.ZstdCompressor().compress(b"\0" * 100))):
         repo._storage.write(cas.object_path(oid),
-                           _crafted(cas.KIND_WHOLE, coder, 0, length, None, body))
+                           _crafted(object_format.KIND_WHOLE, coder, 0, length, None, body))
         with pytest.raises(IntegrityError, match=oid):
             cas.ObjectStore(repo._storage).get(oid)
 
@@ -105,13 +105,13 @@ def test_zstd_frame_declaring_more_than_the_header_is_refused(repo: ins.Reposito
     oid = "cd" * 16
     body = zstandard.ZstdCompressor().compress(b"\0" * 10_000)
     repo._storage.write(cas.object_path(oid),
-                       _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, 100, None, body))
+                       _crafted(object_format.KIND_WHOLE, object_format.CODER_ZSTD, 0, 100, None, body))
     with pytest.raises(IntegrityError, match=f"{oid}.*|at most 100"):
         cas.ObjectStore(repo._storage).get(oid)
     # no content size in the frame: the streaming decoder stops past the declared length
     body = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 10_000)
     repo._storage.write(cas.object_path(oid),
-                       _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, 100, None, body))
+                       _crafted(object_format.KIND_WHOLE, object_format.CODER_ZSTD, 0, 100, None, body))
     with pytest.raises(IntegrityError, match="at most 100"):
         cas.ObjectStore(repo._storage).get(oid)
 
@@ -121,7 +121,7 @@ def test_a_changed_base_id_fails_the_format_2_checksum(repo: ins.Repository) -> 
     changed = bytearray(_quantized(seed=1))
     changed[40] = (changed[40] + 1) % 15
     child = repo._objects.put(bytes(changed), base=base)
-    assert child.kind == cas.KIND_DELTA
+    assert child.kind == object_format.KIND_DELTA
     path = cas.object_path(child.oid)
     stored = bytearray(repo._storage.read(path))
     stored[20] ^= 0x01  # inside the base id: the header is still self-consistent
@@ -141,7 +141,7 @@ def test_header_uses_a_ranged_read_and_falls_back(repo: ins.Repository, monkeypa
 
     monkeypatch.setattr(repo._storage.fs, "cat_file", ranged)
     header = repo._objects.header(oid)
-    assert header.logical_length == len(b"some payload") and calls[0] == (0, cas.HEADER_SIZE)
+    assert header.logical_length == len(b"some payload") and calls[0] == (0, object_format.HEADER_SIZE)
 
     def no_ranges(path, start=None, end=None, **kw):  # type: ignore[no-untyped-def]
         if start is not None:
@@ -471,7 +471,7 @@ def test_zstd_object_whose_frame_declares_a_huge_size(repo: ins.Repository) -> N
     oid = manifest.content_id(payload)
     hostile = _huge_frame(2**62, payload)
     repo._storage.write(cas.object_path(oid),
-                       _crafted(cas.KIND_WHOLE, cas.CODER_ZSTD, 0, 1000, None, hostile))
+                       _crafted(object_format.KIND_WHOLE, object_format.CODER_ZSTD, 0, 1000, None, hostile))
     with pytest.raises(IntegrityError, match=oid):
         cas.ObjectStore(repo._storage).get(oid)
 

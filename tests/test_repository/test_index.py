@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import inshrink_store as ins
-from inshrink_store import cas, index, layout
+from inshrink_store import cas, index, layout, object_format
 from inshrink_store.errors import IntegrityError, NotFoundError
 from inshrink_store.index import IndexCache, SnapshotIndex
 from inshrink_store.storage import FsspecStorage, Storage, open_storage
@@ -298,7 +298,7 @@ def test_headers_are_ranged_reads(
     oid = objects.put(payload).oid
     reads = Reads(monkeypatch, url)
     assert objects.header(oid).logical_length == len(payload)
-    assert [(start, end) for _, start, end in reads.ranged] == [(0, cas.HEADER_SIZE)]
+    assert [(start, end) for _, start, end in reads.ranged] == [(0, object_format.HEADER_SIZE)]
     assert reads.by_path == {}  # no Storage.read (whole object) at all
 
     fs = open_storage(url).fs

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas
+from inshrink_store import cas, object_format
 from inshrink_store.errors import IntegrityError
 from inshrink_store.layout import object_path
 from inshrink_store.policy import QuantConfig
@@ -39,7 +39,7 @@ def _training_like(versions: int, shape: tuple[int, ...] = (300, 200), seed: int
     return out
 
 
-def _objects(repo: ins.Repository, ref: str, path: str) -> list[cas.ObjectHeader]:
+def _objects(repo: ins.Repository, ref: str, path: str) -> list[object_format.ObjectHeader]:
     reader = repo.checkout(ref)
     objects = reader.view.objects
     return [objects.header(oid) for oid in reader.arrays()[path].chunk_ids.values()]
@@ -50,8 +50,8 @@ def test_a_drifting_tensor_is_stored_as_xor_deltas_and_reads_back_exactly() -> N
     states = _training_like(3)
     infos = [repo.save({"model/w": w}) for w in states]
     headers = [_objects(repo, i.id, "model/w")[0] for i in infos]
-    assert [h.kind for h in headers] == [cas.KIND_WHOLE, cas.KIND_DELTA, cas.KIND_DELTA]
-    assert all(h.coder == cas.CODER_BYTEGROUP for h in headers)
+    assert [h.kind for h in headers] == [object_format.KIND_WHOLE, object_format.KIND_DELTA, object_format.KIND_DELTA]
+    assert all(h.coder == object_format.CODER_BYTEGROUP for h in headers)
     sizes = [repo.stored_bytes(i.id)["model/w"] for i in infos]
     assert sizes[1] < 0.8 * sizes[0] and sizes[2] < 0.8 * sizes[0]  # the XOR pays
     for info, w in zip(infos, states, strict=True):
@@ -74,13 +74,13 @@ def test_unrelated_data_a_new_shape_or_a_quantized_parent_give_keyframes() -> No
     rng = np.random.default_rng(1)
     repo.save({"model/w": rng.standard_normal((64, 64)).astype(np.float32)})
     info = repo.save({"model/w": rng.standard_normal((64, 64)).astype(np.float32) * 1e6})
-    assert _objects(repo, info.id, "model/w")[0].kind == cas.KIND_WHOLE  # nothing to gain
+    assert _objects(repo, info.id, "model/w")[0].kind == object_format.KIND_WHOLE  # nothing to gain
     info = repo.save({"model/w": rng.standard_normal((32, 64)).astype(np.float32)})
-    assert _objects(repo, info.id, "model/w")[0].kind == cas.KIND_WHOLE  # another shape
+    assert _objects(repo, info.id, "model/w")[0].kind == object_format.KIND_WHOLE  # another shape
     w = rng.standard_normal((64, 64)).astype(np.float32)
     repo.save({"model/w": w}, quantize=QuantConfig(bins=8, min_numel=16))
     info = repo.save({"model/w": w})  # the parent's chunk is a quantized payload
-    assert _objects(repo, info.id, "model/w")[0].kind == cas.KIND_WHOLE
+    assert _objects(repo, info.id, "model/w")[0].kind == object_format.KIND_WHOLE
     assert repo.load(info.id)["model/w"].tobytes() == w.tobytes()
 
 
@@ -88,7 +88,7 @@ def test_gc_keeps_the_bases_of_kept_versions() -> None:
     repo = ins.open(_url(), create=True)
     states = _training_like(3, shape=(80, 60))
     infos = [repo.save({"model/w": w}) for w in states]
-    assert _objects(repo, infos[2].id, "model/w")[0].kind == cas.KIND_DELTA
+    assert _objects(repo, infos[2].id, "model/w")[0].kind == object_format.KIND_DELTA
     report = repo.gc(keep_last=1)  # the versions that hold the bases go
     assert len(report.deleted["snapshots"]) == 2
     fresh = ins.open(repo.url)
@@ -134,12 +134,12 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
     assert fresh.get(base_id) == base.tobytes()
     header = fresh.header(put.oid)
     # coded, or raw where coding would not make it smaller (never larger than raw, bar the header)
-    assert header.coder in (cas.CODER_BYTEGROUP, cas.CODER_NONE)
+    assert header.coder in (object_format.CODER_BYTEGROUP, object_format.CODER_NONE)
     # a delta too must store less than the raw bits would (it has to beat the keyframe stored)
-    assert fresh.stored_size(put.oid) <= cas.HEADER_SIZE + payload.size
+    assert fresh.stored_size(put.oid) <= object_format.HEADER_SIZE + payload.size
     if not header.is_delta:
-        assert (header.coder == cas.CODER_NONE) == (payload.size <= cas.RAW_FLOATS_MAX or fresh.stored_size(
-            put.oid) == cas.HEADER_SIZE + payload.size)
+        assert (header.coder == object_format.CODER_NONE) == (payload.size <= object_format.RAW_FLOATS_MAX or fresh.stored_size(
+            put.oid) == object_format.HEADER_SIZE + payload.size)
     if header.is_delta:
         assert header.base == base_id
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas, writer
+from inshrink_store import cas, object_format, writer
 from inshrink_store.testing import float_arrays
 from inshrink_store.zarr_store import PendingChunks
 
@@ -46,9 +46,9 @@ def test_every_float_dtype_saves_and_checks_out_bit_exact(memory_url: str, sampl
     assert doc["attributes"]["inshrink"]["dtype"] == LOGICAL[sample.dtype]
     # coded by coder 3, or kept raw (coder 0) where that is no larger: a few elements
     coders = _coders(reader, "model/w")
-    assert coders <= {cas.CODER_BYTEGROUP, cas.CODER_NONE} and bool(coders) == bool(sample.array.size)
-    if sample.array.nbytes <= cas.RAW_FLOATS_MAX:
-        assert coders <= {cas.CODER_NONE}
+    assert coders <= {object_format.CODER_BYTEGROUP, object_format.CODER_NONE} and bool(coders) == bool(sample.array.size)
+    if sample.array.nbytes <= object_format.RAW_FLOATS_MAX:
+        assert coders <= {object_format.CODER_NONE}
 
 
 def _coders(reader: object, path: str) -> set[int]:
@@ -70,7 +70,7 @@ def test_a_multi_chunk_state_round_trips_on_a_local_disk(local_url: str) -> None
     assert all(_bits(loaded[k]) == _bits(v) for k, v in state.items())
     names = {p: json.loads(reader.view.get(f"{p}/zarr.json"))["codecs"][-1]["name"] for p in state}
     assert names == {"model/w32": "bytes", "model/w16": "bytes", "model/wbf": "bytes", "model/step": "blosc"}
-    assert all(_coders(reader, p) == {cas.CODER_BYTEGROUP} for p in ("model/w32", "model/w16", "model/wbf"))
+    assert all(_coders(reader, p) == {object_format.CODER_BYTEGROUP} for p in ("model/w32", "model/w16", "model/wbf"))
     stored = repo.stored_bytes(info.id)
     assert all(stored[p] < 0.95 * state[p].nbytes for p in ("model/w32", "model/w16", "model/wbf"))
 
@@ -103,7 +103,7 @@ def test_the_ratio_estimate_is_what_the_store_keeps(memory_url: str, seed: int) 
     info = repo.save({"t": w}, dtypes={"t": "BF16"}, branch=f"b{seed}")
     reader = repo.checkout(info.id)
     objects = reader.view.objects
-    kept = sum(objects.stored_size(oid) - cas.HEADER_SIZE
+    kept = sum(objects.stored_size(oid) - object_format.HEADER_SIZE
                for key, oid in reader.arrays()["t"].chunk_ids.items() if key != "zarr.json")
     assert lossless_bytes(w, "BF16") == kept
 
@@ -302,12 +302,12 @@ def test_a_float_chunk_is_never_stored_larger_than_its_raw_bits(sample) -> None:
     objects = cas.ObjectStore(ins.storage.open_storage("memory://raw-floats-" + str(sample.array.nbytes)))
     payload = np.ascontiguousarray(sample.array).tobytes()
     put = objects.put(payload, element=sample.dtype)
-    assert objects.stored_size(put.oid) <= cas.HEADER_SIZE + len(payload)
+    assert objects.stored_size(put.oid) <= object_format.HEADER_SIZE + len(payload)
     assert cas.ObjectStore(objects.storage).get(put.oid) == payload
 
 
 def test_a_step_counter_is_stored_raw() -> None:
     objects = cas.ObjectStore(ins.storage.open_storage("memory://raw-step-counter"))
     put = objects.put(np.float32(417).tobytes(), element="float32")
-    assert objects.header(put.oid).coder == cas.CODER_NONE
-    assert objects.stored_size(put.oid) == cas.HEADER_SIZE + 4
+    assert objects.header(put.oid).coder == object_format.CODER_NONE
+    assert objects.stored_size(put.oid) == object_format.HEADER_SIZE + 4

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas, writer
+from inshrink_store import cas, object_format, writer
 from inshrink_store.codecs import _nibbles, _payload
 from inshrink_store.errors import WriteCheckError
 from inshrink_store.policy import QuantConfig
@@ -81,7 +81,7 @@ def test_a_packed_stream_never_passes_the_bound_its_reader_enforces(
     ids = level_ids(levels, n, distribution, seed)
     payload = _payload.pack(levels, ids, "bfloat16", np.zeros(int(np.count_nonzero(ids == levels - 1)), np.uint16))
     packed = _nibbles.pack(payload)
-    limit = cas.stream_limit(cas.KIND_WHOLE, cas.CODER_PACKED_ZSTD, len(payload), 0)
+    limit = object_format.stream_limit(object_format.KIND_WHOLE, object_format.CODER_PACKED_ZSTD, len(payload), 0)
     assert limit == _nibbles.max_packed_length(len(payload))
     assert len(packed) <= limit
     if n and (ids >= _nibbles.ESCAPE).all() and not (ids == levels - 1).any():  # all escaped, none protected: tight
@@ -102,7 +102,7 @@ def test_the_writer_stores_nothing_its_reader_would_refuse(memory_url: str, monk
     the version is not committed and the branch keeps its head."""
     repo = ins.open(memory_url, create=True)
     first = repo.save({"w": leveled_tensor(24, (64, 64), "uniform")}, quantize=QuantConfig(bins=24, protect=0))
-    monkeypatch.setattr(cas._nibbles, "max_packed_length", lambda length: length)
+    monkeypatch.setattr(_nibbles, "max_packed_length", lambda length: length)
     with pytest.raises(WriteCheckError, match=r"Tensor 'w', chunk '0/0'.*coder 2 stream"):
         repo.save({"w": leveled_tensor(24, (64, 64), "skewed-high")}, quantize=QuantConfig(bins=24, protect=0))
     assert ins.open(memory_url).resolve("main") == first.id
@@ -114,7 +114,7 @@ def test_verify_writes_catches_an_object_that_decodes_differently(
     """INSHRINK_VERIFY_WRITES=1 decodes each object before it is stored: an encoder bug that
     a checksum cannot see (wrong bytes, consistently framed) fails the save, names the tensor,
     chunk and coder, and leaves the branch where it was."""
-    real = cas._decode_body
+    real = object_format.decode_body
 
     def wrong(*args: object) -> bytes:
         out = bytearray(real(*args))  # type: ignore[arg-type]
@@ -126,7 +126,7 @@ def test_verify_writes_catches_an_object_that_decodes_differently(
         tensors = {"w": np.random.default_rng(1).standard_normal((128, 64)).astype(np.float32)}
     quantize = QuantConfig(bins=16, protect=0) if coder == "quantized" else None
     repo = ins.open(memory_url, create=True)
-    monkeypatch.setattr(cas, "_decode_body", wrong)
+    monkeypatch.setattr(cas, "decode_body", wrong)
     monkeypatch.setenv(cas.VERIFY_WRITES_ENV, "1")
     with pytest.raises(WriteCheckError, match=r"Tensor 'w', chunk '0/0'.*kind 0, coder [123]\b.*not committed"):
         repo.save(tensors, quantize=quantize)
@@ -179,9 +179,9 @@ def test_no_packed_stream_longer_than_its_payload_is_written(tmp_path: object, b
     _save_and_read_back(f"{tmp_path}/s", {"model/w": rng.permutation(w).reshape(200, 200)}, bins, protect=0.005)
     for path in (p for p in Path(f"{tmp_path}/s/objects").rglob("*") if p.is_file()):
         stored = path.read_bytes()
-        header = cas.parse_header(path.parent.name + path.name, stored)
-        if header.coder == cas.CODER_PACKED_ZSTD:
-            assert len(zstandard.ZstdDecompressor().decompress(stored[cas.HEADER_SIZE:])) <= header.logical_length
+        header = object_format.parse_header(path.parent.name + path.name, stored)
+        if header.coder == object_format.CODER_PACKED_ZSTD:
+            assert len(zstandard.ZstdDecompressor().decompress(stored[object_format.HEADER_SIZE:])) <= header.logical_length
 
 
 def test_the_test_suite_runs_with_verify_writes_on() -> None:
@@ -285,5 +285,5 @@ def test_the_float_round_trip_does_reach_xor_deltas(tmp_path: object) -> None:
     for version in range(3):
         repo.save({"w": (base + 1e-5 * version * rng.standard_normal(base.shape)).astype(np.float32)})
     objects = [p for p in Path(f"{tmp_path}/s/objects").rglob("*") if p.is_file()]
-    kinds = {(h.kind, h.coder) for h in (cas.parse_header(p.parent.name + p.name, p.read_bytes()) for p in objects)}
-    assert (cas.KIND_DELTA, cas.CODER_BYTEGROUP) in kinds
+    kinds = {(h.kind, h.coder) for h in (object_format.parse_header(p.parent.name + p.name, p.read_bytes()) for p in objects)}
+    assert (object_format.KIND_DELTA, object_format.CODER_BYTEGROUP) in kinds
