@@ -76,7 +76,8 @@ def log(
         cfg, search = _quantization_summary(e.metadata.get("quantization"))
         _row(table, e.id[:12], *([", ".join(tags.get(e.id, [])) or "-"] if tagged else []),
              e.time[:19].replace("T", " "), e.step if e.step is not None else "-",
-             e.message, metrics, cfg, search, _moments_summary(e.metadata.get("moments")),
+             e.message, metrics, cfg, search,
+             "dropped (weights only)" if "weights_only" in e.metadata else _moments_summary(e.metadata.get("moments")),
              *([_probe_summary(e.metadata.get("probe"))] if probed else []), _exact_summary(repo, e))
     out.print(table)
 

@@ -76,6 +76,7 @@ from inshrink_store.torch.tensors import (
     state_to_arrays,
     torch,
 )
+from inshrink_store.torch.tiers import refuse_dropped
 
 if TYPE_CHECKING:  # annotations only; at run time torch comes from require() (tensors.py)
     import torch as _torch
@@ -223,7 +224,8 @@ class Checkpointer:
         # gc runs after commits for retention, and to collect restore residuals that fell out
         # of the newest exact_resume versions; on its own thread when saves run in the background
         self._gc = GcWorker(repo, branch, None if self.retention is None else self.retention.max_to_keep,
-                            background=background and (self.retention is not None or exact_resume > 0))
+                            background=background and (self.retention is not None or exact_resume > 0),
+                            full_state_for_last=None if self.retention is None else self.retention.full_state_for_last)
         self.last_search: SearchResult | None = None
         self._told_skipped = False  # the "optimizer state is not Adam-shaped" line is logged once
         #: per saved version, wall seconds: ``copy_s`` (the loop's copy), ``search_s`` (deciding
@@ -426,6 +428,8 @@ class Checkpointer:
         self._gc.wait_idle()  # a retention gc in flight must not race this read
         head = self.repo.branches().get(self.branch)  # what the next save replaces
         snapshot_id = self._resolve(ref)
+        if self.optimizer is not None:  # a weights-only version (Retention(full_state_for_last=K)) has none
+            refuse_dropped(self.repo.snapshot(snapshot_id), "optimizer", ref)
         state, self.restored_exact = load_state_report(self.repo, snapshot_id)
         info = self.repo.snapshot(snapshot_id)
         log.info("restored step %s from %s: %s", info.step, snapshot_id[:12],

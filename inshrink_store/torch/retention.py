@@ -33,6 +33,7 @@ from inshrink_store.errors import (
     InvalidInputError,
     NotFoundError,
 )
+from inshrink_store.torch.tiers import WeightsOnlyTier, tier_branch
 
 if TYPE_CHECKING:
     from inshrink_store import GcReport
@@ -68,6 +69,15 @@ class Retention:
     form whose ``<id8>`` is its version's. Tags are refs: every tag, yours included, keeps its
     version whatever this says. Only this branch is trimmed: every version in the history of
     another branch is kept, since another run (or a person) owns it.
+
+    ``full_state_for_last`` K (at most ``max_to_keep``; None keeps every version whole): only
+    the K newest versions of the branch keep the optimizer state (the weights-only tiers of the
+    Hugging Face Trainer's ``save_only_model`` and Orbax). A version that falls out of the K
+    newest, while still among the ``max_to_keep`` newest and held by no tag, is first committed
+    again without its ``optimizer/`` state on branch ``<branch>.weights-only``
+    (:mod:`~inshrink_store.torch.tiers`: same weights, same chunk objects), then the gc drops the
+    whole version. That branch keeps its ``max_to_keep - K`` newest. A version a tag keeps
+    (``keep-<step>``, ``best-...``, yours) keeps its whole state.
     """
 
     max_to_keep: int
@@ -75,6 +85,7 @@ class Retention:
     keep_best: int | None = None
     metric: str | None = None
     mode: str = "min"
+    full_state_for_last: int | None = None
 
     def __post_init__(self) -> None:
         if not _positive_int(self.max_to_keep):
@@ -86,6 +97,19 @@ class Retention:
                 f"Expected keep_every_n_steps to be an int >= 1 or None. Got {self.keep_every_n_steps!r} "
                 "instead; e.g. Retention(max_to_keep=3, keep_every_n_steps=1000).")
         self._check_best()
+        full = self.full_state_for_last
+        if full is not None and not (_positive_int(full) and full <= self.max_to_keep):
+            raise InvalidInputError(
+                f"Expected full_state_for_last to be an int from 1 to max_to_keep={self.max_to_keep} (the newest "
+                f"versions that keep their optimizer state; the older ones keep their weights) or None. Got "
+                f"{full!r} instead; e.g. Retention(max_to_keep=10, full_state_for_last=2). A version without its "
+                "optimizer state cannot resume training, so at least the newest one keeps it.")
+
+    @property
+    def weights_only(self) -> int:
+        """How many versions of the branch keep their weights alone (``max_to_keep - K``; 0
+        without ``full_state_for_last``)."""
+        return 0 if self.full_state_for_last is None else self.max_to_keep - self.full_state_for_last
 
     def _check_best(self) -> None:
         """keep_best, metric and mode go together: a metric alone would rank nothing."""
@@ -176,6 +200,8 @@ class RetentionKeeper:
         self._metric_values: dict[str, tuple[float, str, int | None] | None] = {}
         self._rescan = True
         self._left_alone: set[str] = set()  # old-style best tags outranked (logged once)
+        self._tier = (WeightsOnlyTier(repo, branch, retention.max_to_keep, retention.full_state_for_last, gc_wait)
+                      if retention.full_state_for_last is not None and retention.weights_only else None)
 
     def restored(self) -> None:
         """After a restore: rank the branch's recent versions at the next save, as at a run's
@@ -195,7 +221,9 @@ class RetentionKeeper:
         if self._untagged:  # a gc now could collect a version a missing tag must keep
             log.info("retention: gc put off until %s exist", ", ".join(n for n, _ in self._untagged))
             return False
-        return True
+        # full_state_for_last: the versions past the K newest are copied weights-only first, or
+        # the gc (which keeps only the K newest) would delete them whole
+        return self._tier is None or self._tier.commit_due(info.id)
 
     def _best_due(self, info: SnapshotInfo) -> list[tuple[str, str]]:
         """The best tags to create after ``info``'s commit, as (name, snapshot id): its own if it
@@ -336,8 +364,12 @@ class GcWorker:
     save asks again.
     """
 
-    def __init__(self, repo: Repository, branch: str, keep_last: int | None, background: bool) -> None:
+    def __init__(self, repo: Repository, branch: str, keep_last: int | None, background: bool,
+                 full_state_for_last: int | None = None) -> None:
         self.repo, self.branch, self.keep_last = repo, branch, keep_last
+        #: Retention(full_state_for_last=K): the branch keeps its K newest, its weights-only
+        #: branch the ``keep_last - K`` newest (the RetentionKeeper copied them there first)
+        self.full_state_for_last = full_state_for_last
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inshrink-gc") if background else None
         self._lock = threading.Lock()
         self._due = self._running = False
@@ -406,5 +438,17 @@ class GcWorker:
 
     def _gc_branch(self, keep_last: int) -> Any:
         """``repo.gc(keep_last=keep_last)`` that trims this branch alone (every other branch
-        keeps its whole history): the store's gc scoped to the branch."""
-        return self.repo.gc(keep_last, branch=self.branch)
+        keeps its whole history): the store's gc scoped to the branch. With weights-only tiers
+        the branch keeps its ``full_state_for_last`` newest (the older ones are on the
+        weights-only branch, committed before this gc was asked for), then a second gc trims
+        the weights-only branch to the rest of ``keep_last`` when it holds more."""
+        full = self.full_state_for_last
+        if full is None or full >= keep_last:
+            return self.repo.gc(keep_last, branch=self.branch)
+        report = self.repo.gc(full, branch=self.branch)
+        tier, rest = tier_branch(self.branch), keep_last - full
+        if self.repo.head(tier) is not None and len(self.repo.log(tier, limit=rest + 1)) > rest:
+            trimmed = self.repo.gc(rest, branch=tier)
+            log.info("retention: gc(keep_last=%d) of %s deleted %d snapshots, freed %d bytes", rest, tier,
+                     len(trimmed.deleted.get("snapshots", [])), trimmed.freed_bytes)
+        return report

@@ -27,6 +27,7 @@ from inshrink_store.errors import (
     require,
 )
 from inshrink_store.structure import STRUCTURE_ATTR, flatten, tagged_leaves, unflatten
+from inshrink_store.torch.tiers import refuse_dropped
 
 if TYPE_CHECKING:  # annotations only; at run time torch comes from require() below
     import torch as _torch
@@ -327,6 +328,8 @@ def load_state_report(repo: Repository, ref: str = "main", *, map_location: str 
     if exact not in (None, True, False) or isinstance(exact, int) and not isinstance(exact, bool):
         raise InvalidInputError(f"Expected exact to be None, True or False. Got {exact!r} instead.")
     reader = repo.checkout(ref)
+    if prefix is not None:  # a weights-only version says why its optimizer state is not there
+        refuse_dropped(reader.info, prefix, ref)
     quantized = [p for p, info in reader.arrays().items() if info.storage == "quantized"]
     residual = None
     if exact is True and quantized:
