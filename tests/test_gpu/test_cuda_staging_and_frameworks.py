@@ -156,24 +156,30 @@ def test_lightning_on_a_gpu_saves_and_resumes_a_cuda_module_bit_exactly(tmp_path
     x = torch.randn(64, 8, generator=g)
     data = DataLoader(TensorDataset(x, x @ torch.randn(8, 1, generator=g)), batch_size=16)
 
-    def trainer(epochs: int, io: Any) -> Any:
+    class Restored(pl.Callback):
+        """At the start of training (after Lightning restored the checkpoint): the state on the GPU."""
+
+        state: dict[str, Any] = {}
+        exp_avg_on_gpu = False
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            Restored.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            Restored.exp_avg_on_gpu = trainer.optimizers[0].state_dict()["state"][0]["exp_avg"].is_cuda
+
+    def trainer(epochs: int, io: Any, callbacks: list[Any]) -> Any:
         return pl.Trainer(max_epochs=epochs, accelerator="gpu", devices=1, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, default_root_dir=tmp_path, plugins=[io],
-                          callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+                          callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True), *callbacks])
 
     store = str(tmp_path / "store")
-    first = trainer(2, InshrinkCheckpointIO(store))
     module = Regression()
-    first.fit(module, data)
-    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    assert all(v.is_cuda for v in saved.values())
-    resumed_module = Regression()
-    resumed = trainer(2, InshrinkCheckpointIO(store))
-    resumed.fit(resumed_module, data, ckpt_path="last")  # resumes at the end: loads, trains nothing
+    trainer(2, InshrinkCheckpointIO(store), []).fit(module, data)
+    saved = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}  # Lightning moved it back to the CPU
+    trainer(3, InshrinkCheckpointIO(store), [Restored()]).fit(Regression(), data, ckpt_path="last")  # epoch 3 on
+    assert Restored.state.keys() == saved.keys() and Restored.exp_avg_on_gpu
     for name, value in saved.items():
-        got = resumed_module.state_dict()[name]
-        assert got.is_cuda and torch.equal(got, value), name
-    assert resumed.optimizers[0].state_dict()["state"][0]["exp_avg"].is_cuda
+        got = Restored.state[name]
+        assert got.is_cuda and torch.equal(got.cpu(), value), name
 
 
 @pytest.mark.filterwarnings(FRAMEWORK_NOTICES)

@@ -104,3 +104,40 @@ def test_an_eval_fn_that_raises_fails_the_save_and_leaves_the_live_model(memory_
 def test_a_cuda_model_is_evaluated_on_its_gpu(memory_url: str) -> None:
     seen, model, _ = _run(memory_url, "cuda")
     assert seen and all(p.is_cuda for candidate in seen for p in candidate.parameters())
+
+
+def test_one_scratch_copy_serves_every_save_with_that_saves_weights(memory_url: str) -> None:
+    """The scratch copy is made with the Checkpointer (not in a save, where a deep copy held
+    the loop), reused by later saves, and loaded with each save's own weights before its
+    first evaluation: what one save's eval_fn scribbled never reaches the next. A model whose
+    tensors change (a new buffer) gets a new copy."""
+    model = _model("cpu")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    seen: list[tuple[torch.nn.Module, torch.Tensor]] = []
+
+    def evaluate(candidate: torch.nn.Module) -> float:
+        seen.append((candidate, candidate[0].bias.detach().clone()))
+        candidate[0].bias.data.add_(100.0)  # scribbles on what it was given
+        return 0.0
+
+    repo = ins.open(memory_url, create=True)
+    with Checkpointer(repo, model, optimizer, eval_fn=evaluate) as ck:
+        made = ck._scratch
+        assert made is not None and made[1] is not model  # made before any save
+        live_biases = []
+        for step in (1, 2):
+            _train(model, optimizer, "cpu")
+            live_biases.append(model[0].bias.detach().clone())
+            start = len(seen)
+            ck.save(step)
+            ck.wait()
+            first_candidate, first_bias = seen[start]
+            assert first_candidate is made[1]  # the same copy, save after save
+            torch.testing.assert_close(first_bias, live_biases[-1], rtol=0, atol=0)  # this save's weights
+        model.register_buffer("count", torch.zeros(3))
+        _train(model, optimizer, "cpu")
+        start = len(seen)
+        ck.save(3)
+        ck.wait()
+        assert seen[start][0] is not made[1] and hasattr(seen[start][0], "count")
+    assert [info.step for info in repo.log()] == [3, 2, 1]
