@@ -69,8 +69,10 @@ def refuse_dropped(info: SnapshotInfo, part: str, ref: str | None = None) -> Non
     """NotFoundError when ``part`` (``"optimizer"``, ``"optimizer/state"``...) is state that
     version ``info`` dropped as a weights-only version, naming why and the model-only restore."""
     record = weights_only_record(info)
+    if record is None or not isinstance(part, str):  # a bad prefix: load_state says what is wrong with it
+        return
     top = part.strip("/").split("/", 1)[0]
-    if record is None or top not in record.get("dropped", []):
+    if top not in record.get("dropped", []):
         return
     shown = repr(ref if ref is not None else info.id)
     full = record.get("full_state_for_last")
