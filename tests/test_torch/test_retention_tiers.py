@@ -6,6 +6,8 @@ only then does the gc drop the whole version; restoring its optimizer is refused
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -245,3 +247,52 @@ def test_a_failed_weights_only_commit_puts_the_gc_off(tmp_path: Path, monkeypatc
     assert [v.step for v in repo.log("main")] == [4]
     assert [v.step for v in repo.log("main.weights-only")] == [3, 2]
     assert repo.verify().problems == []
+
+
+_DIES_MIDWAY = """
+import os, sys
+import inshrink_store as ins
+from inshrink_store import refs
+from inshrink_store.torch import Checkpointer, Retention
+from tests.test_torch._tiny import tiny_model, train_step
+
+real = refs.Refs.advance
+def advance(self, branch, seq, snapshot_id, replaces=None):
+    if branch.endswith(".weights-only") and seq == 1:
+        os._exit(3)  # the copy of step 2 wrote its trees and snapshot, not its ref: the process dies
+    return real(self, branch, seq, snapshot_id, replaces)
+refs.Refs.advance = advance
+model, opt = tiny_model()
+retention = Retention(max_to_keep=4, full_state_for_last=1)
+with Checkpointer(ins.open(sys.argv[1], create=True), model, opt, lossless=True, retention=retention,
+                  background=False) as ck:
+    for step in range(1, 4):
+        train_step(model, opt)
+        ck.save(step)
+"""
+
+
+def test_a_process_killed_inside_the_weights_only_commit_loses_nothing(tmp_path: Path) -> None:
+    """The process dies inside the copy's commit (trees and snapshot written, no ref, its writer
+    lease left behind): the version stays whole, verify passes, and the next run copies it,
+    collects the dead commit's leftovers and the whole version."""
+    url = str(tmp_path / "store")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _DIES_MIDWAY, url], cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 3, done.stderr
+    repo = ins.open(url)
+    assert [v.step for v in repo.log("main")] == [3, 2]  # step 2 whole: its copy never published
+    assert [v.step for v in repo.log("main.weights-only")] == [1]
+    assert "optimizer" in load_state(repo, repo.log("main")[1].id)
+    assert repo.verify().problems == []
+    # steps 2 and 3, the copy of step 1 (step 1 itself went after it), and the dead copy of step 2,
+    # which no ref names: the next run's gc collects it once the copy is made again
+    assert len(repo.snapshot_ids()) == 4
+    before = set(repo.snapshot_ids())
+    _saves(ins.open(url), Retention(max_to_keep=4, full_state_for_last=1), range(4, 5))
+    assert [v.step for v in repo.log("main")] == [4]
+    assert [v.step for v in repo.log("main.weights-only")] == [3, 2, 1]
+    assert repo.verify().problems == []
+    kept = {v.id for v in repo.log("main")} | {v.id for v in repo.log("main.weights-only")}
+    assert set(repo.snapshot_ids()) == kept and not (before - kept) & set(repo.snapshot_ids())
