@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 
 import inshrink_store as ins  # noqa: E402
-from inshrink_store.policy import Candidates, SearchPolicy  # noqa: E402
+from inshrink_store.policy import SearchPolicy  # noqa: E402
 from inshrink_store.policy.budgeted_search import QualityPredictor  # noqa: E402
+from inshrink_store.policy.candidates import Candidates  # noqa: E402
 from inshrink_store.policy.config import QuantConfig  # noqa: E402
 from inshrink_store.policy.plans import PlanSet  # noqa: E402
 

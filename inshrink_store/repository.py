@@ -2,7 +2,8 @@
 Layer: facade, below the integrations (``torch``, ``hf``, ``lightning``, the CLI).
 
 It holds no logic of its own: refs live in :mod:`~inshrink_store.refs`, snapshots in
-:mod:`~inshrink_store.history`, a write in :mod:`~inshrink_store.session`, and diff,
+:mod:`~inshrink_store.history`, the settings file a store is made and opened with in
+:mod:`~inshrink_store.store_settings`, a write in :mod:`~inshrink_store.session`, and diff,
 verify, gc and du in :mod:`~inshrink_store.admin`, each over the typed
 :class:`~inshrink_store.parts.StoreParts` this facade builds once. A commit writes
 objects, then trees, then the snapshot, then creates the next branch ref file
@@ -12,33 +13,24 @@ half-visible, and a lost race is a :class:`ConflictError` with nothing lost.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
-from inshrink_store import admin, leases, residual
-from inshrink_store.cas import DEFAULT_KEYFRAME_INTERVAL, ObjectStore
-from inshrink_store.errors import (
-    AlreadyExistsError,
-    FormatError,
-    IntegrityError,
-    InvalidInputError,
-    NotFoundError,
-)
-from inshrink_store.history import History, SnapshotInfo
-from inshrink_store.layout import CONFIG_FILE
-from inshrink_store.manifest import FORMAT_VERSION, canonical_json, check_commit_fields, utc_now
-from inshrink_store.parts import DEFAULT_BRANCH, StoreParts
+from inshrink_store import admin, leases, residual, store_settings
+from inshrink_store.errors import InvalidInputError, NotFoundError
+from inshrink_store.history import SnapshotInfo
+from inshrink_store.manifest import check_commit_fields
+from inshrink_store.parts import DEFAULT_BRANCH
 from inshrink_store.plans import Planner, Quantize, check_quantize
-from inshrink_store.refs import Refs, check_name, replaced_branch_name
+from inshrink_store.refs import check_name, replaced_branch_name
 from inshrink_store.residual import MAX_KEEP_NEWEST, Residual, ResidualRef
 from inshrink_store.session import ANY_HEAD, AnyHead, WriteSession, open_session
 from inshrink_store.storage import Storage, open_storage
 
 if TYPE_CHECKING:  # annotations only
+    from inshrink_store.cas import ObjectStore
     from inshrink_store.reader import SnapshotReader
     from inshrink_store.zarr_store import InshrinkStore
 
@@ -82,7 +74,7 @@ def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
         return Repository(storage, keyframe_interval=keyframe_interval)
     except FileNotFoundError:
         if not create:
-            storage.require_exists(CONFIG_FILE)
+            store_settings.require_store(storage)
             raise
     return init(url, storage_options=storage_options, keyframe_interval=keyframe_interval, exist_ok=True)
 
@@ -96,27 +88,7 @@ def init(
 ) -> Repository:
     """Create an empty store at ``url``; an existing store is an error unless ``exist_ok``."""
     storage = open_storage(url, storage_options)
-    if storage.is_local and os.path.exists(storage.root) and not os.path.isdir(storage.root):
-        raise FormatError(
-            f"Expected a folder (or nothing) at {url!r} to create a store in. Got a file there "
-            "instead; choose another path."
-        )
-    settings = {
-        "format": FORMAT_VERSION,
-        "created": utc_now(),
-        "keyframe_interval": keyframe_interval or DEFAULT_KEYFRAME_INTERVAL,
-    }
-    try:
-        storage.create_exclusive(CONFIG_FILE, canonical_json(settings))
-    except FileNotFoundError:
-        storage.require_bucket()  # an object store's "no such file" on a write: its bucket is missing
-        raise
-    except FileExistsError:
-        if not exist_ok:
-            raise AlreadyExistsError(
-                f"Expected no store at {url!r}. Got an existing inshrink store instead; "
-                "open it with inshrink_store.open(url)."
-            ) from None
+    store_settings.create(storage, url, keyframe_interval, exist_ok=exist_ok)
     return Repository(storage, keyframe_interval=keyframe_interval)
 
 
@@ -124,21 +96,7 @@ class Repository:
     """Refs, history and versions of one store. Cheap to create; holds no open files."""
 
     def __init__(self, storage: Storage, keyframe_interval: int | None = None) -> None:
-        settings = _read_settings(storage)
-        if settings.get("format") != FORMAT_VERSION:
-            raise FormatError(
-                f"Expected store format {FORMAT_VERSION}. Got {settings.get('format')!r} "
-                "instead; upgrade inshrink-store to read this store."
-            )
-        interval = keyframe_interval or settings.get("keyframe_interval", DEFAULT_KEYFRAME_INTERVAL)
-        if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 4096:
-            raise IntegrityError(
-                f"Expected keyframe_interval in {storage.url!r}/{CONFIG_FILE} to be an integer "
-                f"from 1 to 4096. Got {interval!r} instead: the store's settings are corrupt."
-            )
-        self._settings = settings
-        self._parts = StoreParts(storage, ObjectStore(storage, keyframe_interval=interval),
-                                 Refs(storage), History(storage))
+        self._settings, self._parts = store_settings.open_parts(storage, keyframe_interval)
         #: per ``keep`` of a scoped gc: snapshot id -> (kept, parent), asked once per version
         self._kept: dict[Callable[[SnapshotInfo], bool], dict[str, tuple[bool, str | None]]] = {}
 
@@ -410,26 +368,6 @@ class Repository:
         bases they need that no row counts, other refs' versions, documents and refs, and what
         the next gc collects; the parts add up to the bytes under the store."""
         return admin.du_summary(self._parts, ref)
-
-
-def _read_settings(storage: Storage) -> dict[str, Any]:
-    """``inshrink.json`` as a dict, or an IntegrityError naming the file and what is wrong."""
-    raw = storage.read(CONFIG_FILE)
-    try:
-        settings = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise IntegrityError(
-            f"Expected {storage.url!r}/{CONFIG_FILE} to hold the store's settings as JSON. Got "
-            f"{len(raw)} bytes that are not JSON instead ({type(exc).__name__}): the file is "
-            "corrupt; it holds only the format and keyframe interval, so restore it from "
-            'another store (e.g. {"format": 1, "keyframe_interval": 8}).'
-        ) from None
-    if not isinstance(settings, dict):
-        raise IntegrityError(
-            f"Expected {storage.url!r}/{CONFIG_FILE} to hold a JSON object. Got a "
-            f"{type(settings).__name__} instead: the file is corrupt."
-        )
-    return settings
 
 
 __all__ = [

@@ -31,13 +31,8 @@ import torch
 from benchmarks.evaluate.baselines import lossless_codecs
 from benchmarks.evaluate.methods import LosslessTaps, Usage
 from benchmarks.evaluate.workloads import Workload, cosine
-from inshrink_store.policy import (
-    DEFAULT_CONFIG,
-    TensorInput,
-    is_quantizable,
-    layer_type,
-    quantize_tensor,
-)
+from inshrink_store.policy import DEFAULT_CONFIG
+from inshrink_store.policy.partition import TensorInput, is_quantizable, layer_type, quantize_tensor
 
 
 @dataclass

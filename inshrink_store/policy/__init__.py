@@ -9,10 +9,15 @@ import what a save's decision needs from here, never from its modules (an import
 contract forbids them), so the modules can move without the clients knowing. A save's
 decision is one call, :meth:`SaveDecider.decide` (:mod:`~inshrink_store.policy.save_decision`):
 the clients no longer assemble it from the closed loop, the budget and the search themselves.
+
+What no client needs is not re-exported here, so that this entry imports at most 12 of the
+policy's modules (issue 45): the search's machinery (``candidates.Candidates``,
+``candidates.CandidatePlanner``, ``ratio.RatioEstimator``), k-means (``kmeans``), the
+per-tensor quantizer (``partition.quantize_tensor``, ``quantize_state``, ``TensorInput``, ...)
+and ``settings.QuantSettings`` are imported from their modules.
 """
 
 from inshrink_store.policy.allocation import Allocation, AllocationDecision, AllocationPlanner
-from inshrink_store.policy.candidates import CandidatePlanner, Candidates
 from inshrink_store.policy.config import (
     BINS,
     DEFAULT_CONFIG,
@@ -23,21 +28,9 @@ from inshrink_store.policy.config import (
     PRUNE,
     QuantConfig,
 )
-from inshrink_store.policy.kmeans import fit_codebook, weighted_kmeans
 from inshrink_store.policy.moments import DEFAULT_MOMENTS, AdamHyper, MomentPolicy, MomentRecord
-from inshrink_store.policy.partition import (
-    LAYER_TYPES,
-    QuantizedTensor,
-    TensorInput,
-    is_quantizable,
-    layer_type,
-    prune_thresholds,
-    quantize_state,
-    quantize_tensor,
-)
 from inshrink_store.policy.planner import StatePlanner
 from inshrink_store.policy.plans import PlanSet
-from inshrink_store.policy.ratio import RatioEstimator
 from inshrink_store.policy.record import QuantizationRecord
 from inshrink_store.policy.save_decision import (
     RESIDUAL_SPACE,
@@ -50,7 +43,6 @@ from inshrink_store.policy.save_decision import (
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import PolicyArgs, SearchPolicy
 from inshrink_store.policy.sensitivity import weights_from_fisher
-from inshrink_store.policy.settings import QuantSettings
 from inshrink_store.policy.shard_quant import (
     ShardQuantization,
     ShardTarget,
@@ -64,11 +56,9 @@ from inshrink_store.policy.shard_quant import (
 from inshrink_store.policy.sketch import LogSketch
 
 __all__ = [
-    "Allocation", "AllocationDecision", "AllocationPlanner", "BINS", "DEFAULT_CONFIG", "EMBEDDING_BINS", "LAYER_TYPES", "METRICS", "PROTECT", "PRUNE", "CandidatePlanner",
-    "Candidates", "LogSketch", "PlanSet", "QuantConfig", "QuantSettings", "QuantizationRecord",
-    "QuantizedTensor", "RatioEstimator", "SearchPoint", "SearchPolicy", "SearchResult", "SearchSpace",
-    "StatePlanner", "TensorInput", "fit_codebook", "is_quantizable", "layer_type", "prune_thresholds",
-    "quantize_state", "quantize_tensor", "weighted_kmeans",
+    "Allocation", "AllocationDecision", "AllocationPlanner", "BINS", "DEFAULT_CONFIG", "EMBEDDING_BINS", "METRICS", "PROTECT",
+    "PRUNE", "LogSketch", "PlanSet", "QuantConfig", "QuantizationRecord", "SearchPoint", "SearchPolicy", "SearchResult",
+    "SearchSpace", "StatePlanner",
     # one save's decision (closed loop or keyframe, which space, the fallback), and what it is made of
     "RESIDUAL_SPACE", "ParentVersion", "SaveDecider", "SaveOutcome", "SaveRun", "SaveState",
     "MAX_LEVELS", "AdamHyper", "DEFAULT_MOMENTS", "MomentPolicy", "MomentRecord", "PolicyArgs",

@@ -74,7 +74,8 @@ def test_bad_allocation_options_are_usage_errors(checkpoint: Path, tmp_path: Pat
 
 def test_log_summarises_an_allocation_search(tmp_path: Path) -> None:
     """A version stored by a search over target ratios says so in `inshrink log`."""
-    from inshrink_store.policy import Candidates, SearchPolicy
+    from inshrink_store.policy import SearchPolicy
+    from inshrink_store.policy.candidates import Candidates
 
     url = str(tmp_path / "s")
     rng = np.random.default_rng(1)

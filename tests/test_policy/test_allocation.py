@@ -228,7 +228,8 @@ def test_the_callers_arrays_are_never_modified(memory_url: str) -> None:
 def test_an_allocation_search_bisects_to_the_largest_target_within_tolerance() -> None:
     """Quality = 1 - RMS relative error: the search must stop at the last target whose plans
     keep the error within the tolerance, evaluating about log2(targets) of them."""
-    from inshrink_store.policy import Candidates, SearchPolicy
+    from inshrink_store.policy import SearchPolicy
+    from inshrink_store.policy.candidates import Candidates
 
     state = _state(4)
     dtypes = dict.fromkeys(state, "F32")

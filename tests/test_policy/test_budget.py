@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inshrink_store.errors import FormatError
-from inshrink_store.policy import Candidates, QuantizationRecord, SearchPolicy
+from inshrink_store.policy import QuantizationRecord, SearchPolicy
 from inshrink_store.policy.budgeted_search import (
     PREDICTOR_WINDOW,
     RECENCY,
@@ -26,6 +26,7 @@ from inshrink_store.policy.budgeted_search import (
     SaveBudget,
     budgeted_search,
 )
+from inshrink_store.policy.candidates import Candidates
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace
 from inshrink_store.policy.search_policy import MAX_EVALS
 

@@ -14,15 +14,9 @@ from inshrink_store import object_format
 from inshrink_store.dtypes import float32_to_bf16
 from inshrink_store.errors import FormatError
 from inshrink_store.plans import ArrayPlan
-from inshrink_store.policy import (
-    CandidatePlanner,
-    Candidates,
-    PlanSet,
-    QuantConfig,
-    RatioEstimator,
-    StatePlanner,
-)
-from inshrink_store.policy.ratio import lossless_bytes, quantized_bytes
+from inshrink_store.policy import PlanSet, QuantConfig, StatePlanner
+from inshrink_store.policy.candidates import CandidatePlanner, Candidates
+from inshrink_store.policy.ratio import RatioEstimator, lossless_bytes, quantized_bytes
 
 CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.005)
 

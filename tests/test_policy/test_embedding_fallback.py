@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from inshrink_store.policy import Candidates, QuantConfig, SearchPolicy
+from inshrink_store.policy import QuantConfig, SearchPolicy
+from inshrink_store.policy.candidates import Candidates
 from inshrink_store.policy.search import SearchSpace
 
 SPACE = SearchSpace(bins=(4, 8), prune=(0.0, 0.2), protect=(0.005,))

@@ -8,8 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrink_store.policy import Candidates, PlanSet, QuantConfig, SearchPolicy
+from inshrink_store.policy import PlanSet, QuantConfig, SearchPolicy
 from inshrink_store.policy import partition as partition_module
+from inshrink_store.policy.candidates import Candidates
 from inshrink_store.policy.estimate import estimated_bytes, sample_payload
 from inshrink_store.policy.partition import (
     PartitionCache,

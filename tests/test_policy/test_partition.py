@@ -20,19 +20,17 @@ from hypothesis import strategies as st
 from inshrink_store import dtypes
 from inshrink_store.codecs.nuq import nearest_index
 from inshrink_store.errors import FormatError
-from inshrink_store.policy import (
-    QuantConfig,
-    TensorInput,
-    layer_type,
-    prune_thresholds,
-    quantize_state,
-)
+from inshrink_store.policy import QuantConfig
 from inshrink_store.policy.codebook_choice import sketch_sq_errors
 from inshrink_store.policy.kmeans import fit_codebook
 from inshrink_store.policy.partition import (
     PartitionCache,
     StateQuantizer,
+    TensorInput,
+    layer_type,
     protected_mask,
+    prune_thresholds,
+    quantize_state,
 )
 from inshrink_store.policy.sketch import LogSketch
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store.policy import Candidates, QuantConfig, SearchPolicy
+from inshrink_store.policy import QuantConfig, SearchPolicy
+from inshrink_store.policy.candidates import Candidates
 from inshrink_store.policy.moments import MomentPolicy
 from inshrink_store.policy.partition import StateQuantizer
 from inshrink_store.policy.streaming import MomentStream, StreamedPlanSet
