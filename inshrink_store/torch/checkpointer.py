@@ -349,6 +349,9 @@ class Checkpointer:
         if self._pool is None:
             return self._save(job)
         future = self._pool.submit(self._save, job)
+        # committed saves are let go (a run that never calls wait() would keep one per save);
+        # failures stay for wait() to raise
+        self._pending = [(f, s) for f, s in self._pending if not f.done() or f.exception() is not None]
         self._pending.append((future, step))
         return future
 

@@ -7,9 +7,11 @@ thread found still blocked is blocked; the only timeouts stop hangs).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import uuid
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,28 @@ def test_without_room_on_the_device_wait_waits_as_before() -> None:
     assert done.is_set()
     ck.close()
     assert [info.step for info in repo.log()] == [20, 10]
+
+
+def test_a_run_that_never_calls_wait_keeps_no_committed_save() -> None:
+    """The HF callback and most loops call wait() only at the end: the Checkpointer keeps the
+    Futures of the saves still running or queued (and failures, for wait() to raise), not one
+    per committed save for the whole run; wait() still gives the last save's version."""
+    model = torch.nn.Linear(4, 2)
+    repo = ins.open(f"memory://busy-{uuid.uuid4().hex}", create=True)
+    ck = Checkpointer(repo, model, lossless=True)
+    first = ck.save(1)
+    assert isinstance(first, Future) and first.result(HANG).step == 1
+    committed = weakref.ref(first)
+    del first
+    for step in (2, 3):
+        later = ck.save(step)
+        assert isinstance(later, Future) and later.result(HANG).step == step
+    del later
+    gc.collect()
+    assert committed() is None, "the Checkpointer still holds the Future of a committed save"
+    info = ck.wait()
+    assert info is not None and info.step == 3
+    ck.close()
 
 
 @pytest.mark.parametrize("bad", ["never", "Skip", None, True, 1])
