@@ -334,7 +334,9 @@ class Checkpointer:
         # on the device for clones this save waits for it first
         staged = self._staging.stage(live, busy=self._running() is not None)
         if staged is None:
+            waited = time.perf_counter()
             self.wait()
+            start += time.perf_counter() - waited  # copy_s is the loop's copy, not this wait
             staged = self._staging.stage(live, busy=False)
             assert staged is not None
         # handed over and cleared here, in the loop's thread: the next window starts now

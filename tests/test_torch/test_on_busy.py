@@ -14,6 +14,7 @@ import uuid
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from inshrink_store.errors import InvalidInputError  # noqa: E402
 from inshrink_store.policy import SearchPolicy  # noqa: E402
 from inshrink_store.policy.search import SearchSpace  # noqa: E402
 from inshrink_store.torch import Checkpointer  # noqa: E402
+from inshrink_store.torch import checkpointer as checkpointer_module  # noqa: E402
 from inshrink_store.torch.staging import HostStaging  # noqa: E402
 from tests.test_torch.fake_device import FakeDevice  # noqa: E402
 
@@ -150,6 +152,29 @@ def test_without_room_on_the_device_wait_waits_as_before() -> None:
     assert done.is_set()
     ck.close()
     assert [info.step for info in repo.log()] == [20, 10]
+
+
+def test_copy_s_is_the_copy_not_the_wait_for_the_running_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU save while the previous one runs waits for it (no device copy to queue); its
+    ``copy_s`` in :attr:`timings` is the loop's copy, as before issue 46 item 2, not the wait.
+    The clock is the test's: the wait "takes" 1000 s."""
+    ck, held, _ = _held_checkpointer()
+    clock = [0.0]
+    monkeypatch.setattr(checkpointer_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    ck.save(10)
+    assert held.entered.wait(HANG)
+    waits = ck.wait
+
+    def long_wait() -> Any:
+        clock[0] += 1000.0
+        held.release()
+        return waits()
+
+    monkeypatch.setattr(ck, "wait", long_wait)
+    ck.save(20)  # waits inside, for step 10's commit
+    monkeypatch.setattr(ck, "wait", waits)
+    ck.close()
+    assert [t["copy_s"] for t in ck.timings] == [0.0, 0.0]
 
 
 def test_a_run_that_never_calls_wait_keeps_no_committed_save() -> None:
