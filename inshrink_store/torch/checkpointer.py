@@ -211,7 +211,9 @@ class Checkpointer:
         #: what the decisions carry from save to save: the last configuration and its space, and
         #: the run's evaluations that rank a budgeted search's candidates (refilled by restore())
         self._run = SaveRun()
-        self._staging = HostStaging()
+        # clones on the device serve a save that runs behind the loop; a foreground save
+        # copies in the loop anyway, so it goes straight into the pinned arena
+        self._staging = HostStaging(on_device=background)
         #: (the model's tensor layout, a scratch copy of the model on its device) for eval_fn and
         #: probe: made here, reused by every save, remade when the layout changes (see _scratch_model)
         self._scratch: tuple[tuple[Any, ...], Any] | None = None
@@ -390,11 +392,12 @@ class Checkpointer:
     def _wait_oldest(self) -> None:
         """Wait for the oldest background save; re-raise its failure (the later ones are
         still waited for by :meth:`wait`)."""
-        future, _ = self._pending.pop(0)
+        future, step = self._pending.pop(0)
         try:
             future.result()
         except BaseException as exc:
-            raise BackgroundSaveError(f"Expected the background checkpoint to commit. Got {exc!r} instead.") from exc
+            raise BackgroundSaveError(
+                f"Expected the background checkpoint of step {step} to commit. Got {exc!r} instead.") from exc
 
     def _extra_now(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         """The ``extra`` subtree of this save, checked in the loop's thread (no pickle)."""
@@ -420,16 +423,20 @@ class Checkpointer:
         """Block until the background save (if any) is committed and return its
         :class:`~inshrink_store.SnapshotInfo` (None: no save was pending); re-raise its failure."""
         pending, self._pending = self._pending, []
-        failure: BaseException | None = None
+        failure: tuple[BaseException, int] | None = None
         info: SnapshotInfo | None = None
-        for future, _ in pending:  # every one, so none is left running after a failure
+        for future, step in pending:  # every one, so none is left running after a failure
             try:
                 info = future.result()
             except BaseException as exc:
-                failure = failure or exc
+                failure = failure or (exc, step)
         if failure is not None:
+            error, failed = failure
+            later = [s for _, s in pending if s != failed]
             raise BackgroundSaveError(
-                f"Expected the background checkpoint to commit. Got {failure!r} instead.") from failure
+                f"Expected the background checkpoint of step {failed} to commit. Got {error!r} instead"
+                + (f" (the saves of steps {later} were waited for too; `inshrink log` shows which committed)."
+                   if later else ".")) from error
         return info
 
     def _raise_failure(self) -> None:

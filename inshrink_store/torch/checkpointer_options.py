@@ -135,7 +135,8 @@ class CheckpointerOptions:
         to be busy with."""
         if not isinstance(self.on_busy, str) or self.on_busy not in ON_BUSY:
             raise InvalidInputError(
-                f"Expected on_busy to be 'wait' (save waits for the previous background save to commit) or "
+                f"Expected on_busy to be 'wait' (save queues behind the previous background save, or waits for it "
+                f"to commit) or "
                 f"'skip' (save skips this checkpoint while one is running). Got {self.on_busy!r} instead.")
         if self.on_busy == "skip" and not self.background:
             raise InvalidInputError(

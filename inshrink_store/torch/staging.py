@@ -116,6 +116,11 @@ class _Cuda:
         return int(free - max(DEVICE_HEADROOM * total, 1 << 30))
 
     @staticmethod
+    def clone(t: Any) -> Any:
+        """A copy of ``t`` on its device, on the current stream."""
+        return t.clone()
+
+    @staticmethod
     def record(device: Any) -> Any:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
@@ -184,7 +189,9 @@ class HostStaging:
         self._collect(obj, "", cuda)
         tensors = list(cuda.values())
         if tensors and (busy or self._layout_of(tensors) != self._layout) and self._fits(tensors):
-            return self._stage_on_device(obj, cuda, busy)
+            staged = self._stage_on_device(obj, cuda, busy)
+            if staged is not None:
+                return staged
         if busy:  # CPU state too: a queued copy of it would cost the host its size again
             return None
         return self._stage_into_arena(obj, cuda, busy)
@@ -204,8 +211,14 @@ class HostStaging:
         events = [self._dev.record(device) for device in sorted(devices, key=str)]
         return Staged(events, "host" if devices else "none", None, out)
 
-    def _stage_on_device(self, obj: Any, cuda: dict[tuple[Any, ...], tuple[str, Any]], busy: bool) -> Staged:
-        clones = [t.clone() for _, t in cuda.values()]
+    def _stage_on_device(self, obj: Any, cuda: dict[tuple[Any, ...], tuple[str, Any]], busy: bool) -> Staged | None:
+        """``device`` mode; None when the clones do not fit after all (the device's memory
+        went to another process, or a cap such as ``set_per_process_memory_fraction`` that
+        ``cudaMemGetInfo`` does not see): the caller then takes the ``host`` way."""
+        try:
+            clones = [self._dev.clone(t) for _, t in cuda.values()]
+        except torch.cuda.OutOfMemoryError:
+            return None  # the clones made so far go with this frame
         tensors = [(path, c) for (path, _), c in zip(cuda.values(), clones, strict=True)]  # no live tensor kept
         slots = {key: _Slot(i) for i, key in enumerate(cuda)}
         host: dict[str, Any] = {}

@@ -15,14 +15,20 @@ class FakeDevice:
     (cloned "on the device", copied into the "pinned" arena by the background save), with
     ``room`` bytes free for clones."""
 
-    def __init__(self, room: int = 1 << 40) -> None:
+    def __init__(self, room: int = 1 << 40, clones_fail: bool = False) -> None:
         self.room_bytes = room
+        self.clones_fail = clones_fail  # a clone raises out-of-memory (memory the room check missed)
         self.arenas = 0  # arenas allocated
         self.copied_after: list[int] = []  # pairs copied by each background copy
 
     @staticmethod
     def holds(t: Any) -> bool:
         return t.is_floating_point()
+
+    def clone(self, t: Any) -> Any:
+        if self.clones_fail:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return t.clone()
 
     def room(self, device: Any) -> int:
         return self.room_bytes

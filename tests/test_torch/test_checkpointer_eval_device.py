@@ -93,7 +93,7 @@ def test_an_eval_fn_that_raises_fails_the_save_and_leaves_the_live_model(memory_
     repo = ins.open(memory_url, create=True)
     ck = Checkpointer(repo, model, optimizer, eval_fn=evaluate)
     ck.save(1)
-    with pytest.raises(BackgroundSaveError):
+    with pytest.raises(BackgroundSaveError, match=r"checkpoint of step 1 to commit"):
         ck.wait()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)

@@ -150,3 +150,16 @@ def test_a_tied_tensor_is_cloned_once_on_the_device_and_keeps_one_host_copy():
     assert copied["model"]["0.weight"] is copied["model"]["1.weight"]
     assert device.copied_after == [1]  # the embedding once; the int rng tensor is not the device's
     assert torch.equal(copied["extra"]["rng"], torch.arange(5))
+
+
+def test_clones_that_run_out_of_memory_fall_back_to_the_arena_or_to_waiting():
+    """The room check reads the device's free memory; a cap it cannot see (another process,
+    a per-process memory fraction) makes a clone fail: the first save then copies straight
+    into the arena, and a busy one says it must wait, instead of failing the save."""
+    device = FakeDevice(clones_fail=True)
+    staging = HostStaging(_device=device)
+    state = _loop_state()
+    first = staging.stage(state, busy=False)
+    assert first is not None and first.mode == "host" and device.arenas == 1
+    assert torch.equal(first.wait()["w"], torch.arange(8.0))
+    assert staging.stage(state, busy=True) is None
