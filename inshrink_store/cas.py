@@ -315,12 +315,11 @@ class ObjectStore:
 
     def _header_fallback(self, oid: str, path: str) -> bytes:
         """The first bytes of ``oid`` where a ranged read failed: an object too short to hold
-        a header (what HTTP 416 means) is read whole, a few bytes; any other through a file
-        handle whose block is one header, so still no whole-object download."""
+        a header (what HTTP 416 means) is read whole, a few bytes; any other streamed in one
+        block of a header (:meth:`Storage.read_start`), so still no whole-object download."""
         if self.stored_size(oid) <= HEADER_SIZE:  # NotFoundError naming it when missing
             return self.read_stored(oid)
-        with self.storage.fs.open(self.storage._full(path), "rb", block_size=HEADER_SIZE) as handle:
-            return bytes(handle.read(HEADER_SIZE))
+        return self.storage.read_start(path, HEADER_SIZE)
 
     def get(self, oid: str) -> bytes:
         """The logical payload of ``oid``, chain resolved: every link's stored checksum and the

@@ -29,6 +29,7 @@ from inshrink_store.storage.base import (
     SUPPORTED_PROTOCOLS,
     FsspecStorage,
     Storage,
+    filesystem,
     protocol_of,
     require_supported,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "MemoryStorage",
     "ObjectStorage",
     "Storage",
+    "filesystem",
     "open_storage",
     "protocol_of",
     "require_supported",

@@ -50,8 +50,13 @@ def require_supported(url: str) -> None:
             "supported (a store needs an atomic exclusive create to commit); use one of those.")
 
 
-def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of a store URL and the store's root in it, as the store's own
+    :class:`Storage` gets them: for a tool that manages the files *around* a store (the demo
+    empties the folder it made). The store's own modules reach files only through
+    :class:`Storage`'s methods, which check, bound and wrap every access."""
     require_supported(url)
+    storage_options = dict(storage_options or {})
     protocol = protocol_of(url)
     if protocol in _EXTRAS:
         # Refs are found by listing, and another writer may add one at any moment:
@@ -109,8 +114,7 @@ class Storage(Protocol):
 
     url: str
     storage_options: dict[str, Any]
-    #: the fsspec filesystem underneath, and the store's root in it
-    fs: fsspec.AbstractFileSystem
+    #: the store's root: a local path where ``is_local``, else the backend's own path
     root: str
     protocol: str
     is_local: bool
@@ -118,16 +122,18 @@ class Storage(Protocol):
     atomic_create: bool
     listing_consistent: bool
 
-    def _full(self, path: str) -> str:
-        """The path of ``path`` in :attr:`fs` (for a caller that opens a file handle there)."""
-        ...
-
     def read(self, path: str) -> bytes:
         """Whole file; ``FileNotFoundError`` if absent."""
         ...
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of a file (fewer if it is shorter); one ranged request."""
+        ...
+
+    def read_start(self, path: str, length: int) -> bytes:
+        """The first ``length`` bytes of a file (fewer if it is shorter), streamed in one block
+        of ``length`` bytes: what a caller falls back on where :meth:`read_range` failed (no
+        ranged requests there), still never a whole-file download."""
         ...
 
     def size(self, path: str) -> int:
@@ -188,7 +194,7 @@ class FsspecStorage:
             raise InvalidInputError(f"Expected a store URL or path. Got {url!r} instead.")
         self.url = url
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = _filesystem(url, self.storage_options)
+        self.fs, self.root = filesystem(url, self.storage_options)
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     def __repr__(self) -> str:
@@ -222,6 +228,15 @@ class FsspecStorage:
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of a file (fewer if it is shorter); one ranged request."""
         return self._call("read", path, lambda: cast(bytes, self.fs.cat_file(self._full(path), start=start, end=end)))
+
+    def read_start(self, path: str, length: int) -> bytes:
+        """The first ``length`` bytes of a file through a file handle whose block is ``length``
+        bytes (one request of that size on an object store, not a ranged one)."""
+        def read() -> bytes:
+            with self.fs.open(self._full(path), "rb", block_size=length) as handle:
+                return bytes(handle.read(length))
+
+        return self._call("read", path, read)
 
     def size(self, path: str) -> int:
         """Bytes of the file ``path``; FileNotFoundError if absent (callers ask about files only)."""

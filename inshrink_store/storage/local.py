@@ -126,6 +126,12 @@ class LocalStorage(FsspecStorage):
             self._inside(full)
         return super().read_range(path, start, end)
 
+    def read_start(self, path: str, length: int) -> bytes:
+        full = self._full(path)
+        if os.path.exists(full):
+            self._inside(full)
+        return super().read_start(path, length)
+
     def exists_durably(self, path: str) -> bool:
         """:meth:`exists`, then a fsync of the file's folder when it is there (the folder's
         own name is made durable at the next commit point, see :meth:`sync_folders`).

@@ -47,9 +47,10 @@ Never injected: ``FileNotFoundError`` and ``FileExistsError``. Those are answers
 failures (this object does not exist; another writer created it first), and code is
 right to act on them; a storage that lies about them is corrupt, not flaky.
 
-Not covered: code that opens a file through :attr:`FlakyStorage.fs` directly (the fsspec
-filesystem underneath, which the wrapper shares with the storage it wraps) bypasses the
-faults; the store does so only to read an object's header where a ranged read failed.
+Every way the store reaches a file is a method of the protocol, so every one can fail here:
+the wrapper has no fsspec filesystem to go around it by (the store's last such path, an
+object's header read through a file handle where a ranged read failed, is
+:meth:`~inshrink_store.storage.Storage.read_start` now).
 
 Counters (:attr:`FlakyStorage.stats`) say how many calls of each kind were made and how
 many faults were injected; :attr:`FlakyStorage.injected` lists each fault.
@@ -76,7 +77,7 @@ When = Literal["before", "after"]
 
 #: the methods of each kind of operation a rule can name
 KINDS: dict[str, tuple[str, ...]] = {
-    "read": ("read", "read_range", "size", "exists", "exists_durably"),
+    "read": ("read", "read_range", "read_start", "size", "exists", "exists_durably"),
     "write": ("write", "create_exclusive"),
     "list": ("list", "temp_files"),
     "delete": ("delete",),
@@ -177,13 +178,12 @@ class FlakyStorage:
     a fault rule says it fails (see the module's docstring). Use it wherever the store takes
     a storage: ``inshrink_store.Repository(FlakyStorage(inner))``.
 
-    Capability flags, ``url`` and the fsspec filesystem are ``inner``'s: the store behaves as
+    Capability flags, ``url`` and ``root`` are ``inner``'s: the store behaves as
     it does on that backend, faults aside. Thread-safe: the writer calls it from its thread
     pool. ``max_recorded`` bounds :attr:`injected` (the counters keep counting)."""
 
     url: str
     storage_options: dict[str, Any]
-    fs: Any
     root: str
     protocol: str
     is_local: bool
@@ -200,7 +200,7 @@ class FlakyStorage:
         # the inner storage's identity and capabilities, fixed for its life: the store must
         # behave as it does on that backend (copied, not delegated: the protocol's members
         # are plain attributes)
-        self.url, self.storage_options, self.fs, self.root = inner.url, inner.storage_options, inner.fs, inner.root
+        self.url, self.storage_options, self.root = inner.url, inner.storage_options, inner.root
         self.protocol, self.is_local = inner.protocol, inner.is_local
         self.supports_rename, self.atomic_create = inner.supports_rename, inner.atomic_create
         self.listing_consistent = inner.listing_consistent
@@ -337,16 +337,15 @@ class FlakyStorage:
         self._raise(rule, method, path)
         raise AssertionError("unreachable")
 
-    # -- the Storage protocol ---------------------------------------------------------------
-    def _full(self, path: str) -> str:
-        return self.inner._full(path)
-
     # -- the Storage protocol: operations that can fail -------------------------------------
     def read(self, path: str) -> bytes:
         return self._call("read", path, lambda: self.inner.read(path))
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return self._call("read_range", path, lambda: self.inner.read_range(path, start, end))
+
+    def read_start(self, path: str, length: int) -> bytes:
+        return self._call("read_start", path, lambda: self.inner.read_start(path, length))
 
     def size(self, path: str) -> int:
         return self._call("size", path, lambda: self.inner.size(path))

@@ -31,7 +31,7 @@ import inshrink_store as ins
 from inshrink_store import layout
 from inshrink_store.errors import FormatError, MissingDependencyError
 from inshrink_store.policy import QuantizationRecord, SearchPolicy
-from inshrink_store.storage import Storage, open_storage
+from inshrink_store.storage import Storage, filesystem, open_storage
 from inshrink_store.torch.checkpointer import Checkpointer
 from inshrink_store.torch.tensors import load_state, torch
 
@@ -228,7 +228,7 @@ def prepare_demo_store(url: str) -> None:
     :class:`FormatError` naming what is in the way (and deletes nothing): the demo may only
     remove what it made."""
     storage = open_storage(url)
-    fs, root = storage.fs, storage.root
+    fs, root = filesystem(url)  # the folder around the store: the demo's names are emptied, not only the store's files
     if not fs.exists(root):
         return
     if not fs.isdir(root):
