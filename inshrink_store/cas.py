@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -56,6 +58,8 @@ from inshrink_store.object_format import (
 from inshrink_store.storage import Storage
 
 log = logging.getLogger(__name__)
+#: what a chain decoded in byte planes gives: bytes (:meth:`ObjectStore.get`) or an array (:meth:`ObjectStore.take`)
+_Payload = TypeVar("_Payload", bytes, np.ndarray)
 
 #: raw float chunks smaller than this are always stored whole, never tried against the parent's
 #: chunk. Why: trying costs two reads of the base object, decoding it and a second coding pass
@@ -329,8 +333,33 @@ class ObjectStore:
         if cached is not None:
             return cached
         chain, base_payload = self._read_chain(oid)
-        payload = self._decode_in_planes(oid, chain, base_payload)
-        return payload if payload is not None else self._decode_links(chain, base_payload)
+        payload = self._decode_in_planes(oid, chain, base_payload, bytegroup.decode_chain_to_bytes)
+        if payload is None:
+            return self._decode_links(chain, base_payload)
+        self._cache.put(oid, payload)
+        return payload
+
+    def take(self, oid: str) -> np.ndarray:
+        """:meth:`get`'s payload as a new writable uint8 array that the caller owns, with the
+        same checks and errors, and not cached: for a reader that reads each chunk once and
+        hands its memory on (an export writes it to a file), where the cache's payloads (a
+        restore's next save wants them, as delta bases) would be a second copy of the version.
+
+        Why: the cache keeps immutable bytes, so such a reader copied every chunk out of them
+        into memory of its own; an ``export --all`` of a lossless chunk decoded it into a
+        scratch buffer, copied that into the cache's bytes, then into the tensor (two copies
+        into fresh memory, a page fault per 4 KiB each). Here a chain of bytegroup links (a
+        lone keyframe too) is joined straight into the array returned (issue 43, item 10);
+        other payloads are decoded link by link as :meth:`get` decodes them, and copied."""
+        cached = self._cache.get(oid)
+        if cached is None:
+            chain, base_payload = self._read_chain(oid)
+            payload = self._decode_in_planes(oid, chain, base_payload, bytegroup.decode_chain, least=1,
+                                             keep=False)
+            if payload is not None:
+                return payload
+            cached = self._decode_links(chain, base_payload, keep=False)
+        return np.frombuffer(cached, np.uint8).copy()
 
     def _read_chain(self, oid: str) -> tuple[list[tuple[str, ObjectHeader, memoryview]], bytes | None]:
         """(links from ``oid`` down to a keyframe or a cached payload, newest first, with header
@@ -363,8 +392,10 @@ class ObjectStore:
             current = header.base
         return chain, base_payload
 
-    def _decode_links(self, chain: list[tuple[str, ObjectHeader, memoryview]], base_payload: bytes | None) -> bytes:
-        """``chain[0]``'s payload, link by link from the bottom, each link's id checked and cached."""
+    def _decode_links(self, chain: list[tuple[str, ObjectHeader, memoryview]], base_payload: bytes | None,
+                      keep: bool = True) -> bytes:
+        """``chain[0]``'s payload, link by link from the bottom, each link's id checked and
+        (with ``keep``) cached."""
         for cid, header, checked in reversed(chain):
             payload = decode_body(cid, header, checked, base_payload, self._delta)
             if len(payload) != header.logical_length or content_id(payload) != cid:
@@ -373,41 +404,44 @@ class ObjectStore:
                     f"id. Got {len(payload)} bytes with id {content_id(payload)} instead: the "
                     "object or its base is corrupt."
                 )
-            self._cache.put(cid, payload)
+            if keep:
+                self._cache.put(cid, payload)
             base_payload = payload
         assert base_payload is not None
         return base_payload
 
     def _decode_in_planes(self, oid: str, chain: list[tuple[str, ObjectHeader, memoryview]],
-                          base_payload: bytes | None) -> bytes | None:
-        """``oid``'s payload where the chain's newest links are two or more bytegroup links
-        (deltas, and the keyframe under them), decoded in byte planes with one join
-        (:func:`bytegroup.decode_chain`: joining, hashing, copying and splitting each link was
-        half an export's time); None otherwise, or where that fails or gives other bytes than
-        ``oid``'s (then the caller decodes link by link, which names the bad link). Each link's
-        checksum and base hash is checked, and the result's id; the links below are never
-        formed, so their ids are not (``verify`` reads every object base first) nor cached."""
+                          base_payload: bytes | None, decode: Callable[..., _Payload],
+                          least: int = 2, keep: bool = True) -> _Payload | None:
+        """``oid``'s payload where the chain's newest links are ``least`` (two) or more
+        bytegroup links (deltas, and the keyframe under them), decoded in byte planes with one
+        join by ``decode`` (:func:`bytegroup.decode_chain`, or its ``_to_bytes`` form: joining,
+        hashing, copying and splitting each link was half an export's time); None otherwise,
+        or where that fails or gives other bytes than ``oid``'s (then the caller decodes link
+        by link, which names the bad link). Each link's checksum and base hash is checked, and
+        the result's id; the links below are never formed, so their ids are not (``verify``
+        reads every object base first) nor cached, and the caller caches the result or not
+        (links under the bytegroup links are decoded and, with ``keep``, cached)."""
         top = 0
         while top < len(chain) and chain[top][1].coder == CODER_BYTEGROUP and chain[top][1].is_delta:
             top += 1
         if top < len(chain) and chain[top][1].coder == CODER_BYTEGROUP:  # the keyframe under them
             top += 1
-        if top < 2:
+        if top < least:
             return None
         below = chain[top:]
-        base = self._decode_links(below, base_payload) if below else base_payload
+        base = self._decode_links(below, base_payload, keep) if below else base_payload
         header = chain[0][1]
         try:
             links = [np.frombuffer(body, np.uint8) for _, _, body in reversed(chain[:top])]
-            payload = bytegroup.decode_chain_to_bytes(links, bytegroup.DTYPE_NAMES[bytegroup.parse(links[-1])[0]], base,
-                                                      header.logical_length, checked=False)  # the id is checked below
+            payload = decode(links, bytegroup.DTYPE_NAMES[bytegroup.parse(links[-1])[0]], base,
+                             header.logical_length, checked=False)  # the id is checked below
         except MemoryError:
             raise
         except Exception:  # noqa: BLE001 - decoded again link by link, which names the bad link
             return None
-        if len(payload) != header.logical_length or content_id(payload) != oid:
+        if len(payload) != header.logical_length or content_id(payload if isinstance(payload, bytes) else payload.data) != oid:
             return None
-        self._cache.put(oid, payload)
         return payload
 
     def _read_link(self, oid: str, current: str, chain: list[tuple[str, ObjectHeader, memoryview]]) -> bytes:

@@ -217,10 +217,14 @@ class SnapshotReader:
         array = self[name]
         return np.asarray(self._zarr(f"tensor {name!r}", lambda: array[region]))
 
-    def read(self, name: str, *, writable: bool = True) -> np.ndarray:
+    def read(self, name: str, *, writable: bool = True, cache: bool = True) -> np.ndarray:
         """The stored array (BF16 as uint16 bit patterns), decoded in full. ``writable=False``
         allows a read-only array (no copy of a one-chunk tensor's decoded bytes: for readers
-        that only look, such as ``diff --values``).
+        that only look, such as ``diff --values``). ``cache=False``: the chunks are decoded
+        for this read alone, not kept in the object store's cache (:meth:`ObjectStore.take`),
+        and a one-chunk tensor's memory is its decoded chunk (no copy): for a reader that reads
+        each tensor once and hands it on, such as an export; a restore keeps the cache, which
+        the next save's deltas read as their bases.
 
         Before allocating, an array over :data:`SPARSE_LIMIT` bytes must be backed by chunk
         objects that can hold it: each chunk may decode to at most
@@ -232,8 +236,9 @@ class SnapshotReader:
         self._check_backing(info)
         whole = self._whole_plan(path)
         if whole is not None:
+            fetch = self.view.get if cache else self.view.take
             return self._zarr(f"tensor {path!r}", lambda: whole.read(
-                lambda key: self.view.get(f"{path}/{key}"), self._map_chunks, writable))
+                lambda key: fetch(f"{path}/{key}"), self._map_chunks, writable))
         array = self[path]
         if math.prod(info.shape) == 0:
             return np.zeros(info.shape, dtype=array.dtype)
@@ -289,12 +294,13 @@ class SnapshotReader:
         return data
 
     def read_many(self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
-                  ) -> dict[str, np.ndarray]:
-        """:meth:`read` of each name (then ``transform(path, array)``), several tensors at once:
-        on an object store each read waits on requests, and a restore reads every tensor.
-        The first failure in the order of ``names`` is raised, after every read ended."""
+                  *, cache: bool = True) -> dict[str, np.ndarray]:
+        """:meth:`read` of each name (then ``transform(path, array)``; ``cache`` as there),
+        several tensors at once: on an object store each read waits on requests, and a
+        restore reads every tensor. The first failure in the order of ``names`` is raised,
+        after every read ended."""
         def one(name: str) -> np.ndarray:
-            array = self.read(name)
+            array = self.read(name) if cache else self.read(name, cache=False)
             return transform(name, array) if transform is not None else array
 
         storage = self.view.objects.storage

@@ -60,12 +60,13 @@ class WholeArray:
         grid = [range(-(-s // c)) for s, c in zip(self.shape, self.chunks, strict=True)]
         return [(coords, self.metadata.encode_chunk_key(coords)) for coords in itertools.product(*grid)]
 
-    def decode(self, raw: bytes | None) -> np.ndarray:
-        """One whole chunk (chunk shape) from its stored bytes; None is the fill value."""
+    def decode(self, raw: bytes | np.ndarray | None) -> np.ndarray:
+        """One whole chunk (chunk shape) from its stored bytes (a writable uint8 array stays
+        the chunk's memory); None is the fill value."""
         if raw is None:
             return np.full(self.chunks, self.metadata.fill_value, dtype=self.dtype)
         prototype = self.spec.prototype
-        data: Any = prototype.buffer.from_bytes(raw)
+        data: Any = prototype.buffer.from_bytes(raw if isinstance(raw, bytes) else raw.data)
         for codec in reversed(self.compressors):
             data = codec._decode_sync(data, self.spec)  # noqa: SLF001 - zarr's own sync decode
         array = self.serializer._decode_sync(data, self.spec)  # noqa: SLF001
@@ -74,13 +75,14 @@ class WholeArray:
             values = values.reshape(self.chunks)
         return values
 
-    def read(self, fetch: Callable[[str], bytes | None],
+    def read(self, fetch: Callable[[str], bytes | np.ndarray | None],
              run: Callable[[Callable[[Any], np.ndarray], Sequence[Any]], list[np.ndarray]],
              writable: bool = True) -> np.ndarray:
-        """The whole array: ``fetch(chunk key)`` gives a chunk's stored bytes (or None),
-        ``run(fn, items)`` maps over the chunks (in order; a thread pool or a plain loop).
-        ``writable=False``: an array of one chunk may come back read-only (the decoded bytes
-        themselves, not a copy of them)."""
+        """The whole array: ``fetch(chunk key)`` gives a chunk's stored bytes (or None), or
+        a writable uint8 array the caller may keep (an array of one chunk is then that memory:
+        no copy), ``run(fn, items)`` maps over the chunks (in order; a thread pool or a plain
+        loop). ``writable=False``: an array of one chunk may come back read-only (the decoded
+        bytes themselves, not a copy of them)."""
         keys = self.keys()
         if len(keys) == 1 and self.chunks == self.shape:  # one chunk is the array: no copy
             values = self.decode(fetch(keys[0][1]))

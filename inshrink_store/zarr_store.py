@@ -18,9 +18,10 @@ import functools
 import json
 import posixpath
 import threading
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
+import numpy as np
 from zarr.abc.store import (
     ByteRequest,
     OffsetByteRequest,
@@ -43,6 +44,9 @@ from inshrink_store.index import (  # noqa: F401 - load_root, load_node, tree_pa
 )
 from inshrink_store.layout import tree_path  # noqa: F401 - re-exported
 from inshrink_store.manifest import NodeTree, RootTree
+
+#: a chunk's payload as :meth:`SnapshotChunks.get` or :meth:`SnapshotChunks.take` reads it
+_Value = TypeVar("_Value", bytes, np.ndarray)
 
 
 def _node_of(key: str, nodes: set[str]) -> str:
@@ -96,6 +100,14 @@ class SnapshotChunks:
         return self.index.entries()
 
     def get(self, key: str) -> bytes | None:
+        return self._value(key, self.objects.get)
+
+    def take(self, key: str) -> bytes | np.ndarray | None:
+        """:meth:`get`, a chunk object's payload as a new writable array of the caller's own,
+        not cached (:meth:`ObjectStore.take`); an inline value as stored."""
+        return self._value(key, self.objects.take)
+
+    def _value(self, key: str, read: Callable[[str], _Value]) -> bytes | _Value | None:
         entry = self.index.entry(key)  # reads only the node tree that holds the key
         if entry is None:
             return None
@@ -103,7 +115,7 @@ class SnapshotChunks:
             return entry.inline
         assert entry.oid is not None
         try:
-            return self.objects.get(entry.oid)
+            return read(entry.oid)
         except (IntegrityError, NotFoundError) as exc:
             where = f" in snapshot {self.snapshot_id}" if self.snapshot_id else ""
             raise type(exc)(f"Chunk {key!r}{where}: {exc}") from exc

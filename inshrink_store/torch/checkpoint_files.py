@@ -195,7 +195,7 @@ def export_tensors(reader: SnapshotReader, *, include_all: bool = False,
     done = 0
     for start in range(0, len(chosen), _EXPORT_BATCH):  # tensors read side by side (issue 43, item 10)
         batch = chosen[start:start + _EXPORT_BATCH]
-        for p, stored in reader.read_many(batch).items():
+        for p, stored in reader.read_many(batch, cache=False).items():  # read once, kept by the caller
             key = p if part is None else p[len(part) + 1:]
             tensors[key] = _export_tensor(stored if residual is None else residual.exact(p, stored), dtypes[p])
             done += 1
@@ -243,7 +243,8 @@ def export_state(reader: SnapshotReader, *, include_all: bool = False,
     prefix = None if include_all else model_part(reader)
     if reader.attributes.get(STRUCTURE_ATTR) is None or not (include_all or prefix):
         return export_tensors(reader, include_all=include_all, progress=progress, residual=residual)
-    state: dict[str, Any] = _numpy_as_tensors(reader_state(reader, prefix=prefix, residual=residual, progress=progress))
+    state: dict[str, Any] = _numpy_as_tensors(reader_state(reader, prefix=prefix, residual=residual, progress=progress,
+                                                           cache=False))
     return state
 
 

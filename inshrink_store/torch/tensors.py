@@ -366,9 +366,10 @@ class ExactBits(Protocol):
 
 def reader_state(reader: SnapshotReader, *, map_location: str | _torch.device | None = None,
                  prefix: str | None = None, residual: ExactBits | None = None,
-                 progress: Callable[[str, int, int], None] | None = None) -> Any:
+                 progress: Callable[[str, int, int], None] | None = None, cache: bool = True) -> Any:
     """The state of ``reader``'s version (see :func:`load_state`); ``progress(path, done,
-    total)`` after each tensor read."""
+    total)`` after each tensor read; ``cache=False`` for a reader that keeps nothing for a
+    next save (an export: :meth:`SnapshotReader.read`'s ``cache``)."""
     device = _device(map_location)
     dtypes = reader.dtypes()
     skeleton = reader.attributes.get(STRUCTURE_ATTR)
@@ -386,7 +387,7 @@ def reader_state(reader: SnapshotReader, *, map_location: str | _torch.device | 
     def read_all(paths: list[str]) -> dict[str, Any]:
         """The tensors at ``paths``: read side by side, each array handed to torch as it is
         (freshly read, so no copy but where it is not contiguous or not writeable)."""
-        arrays = reader.read_many(paths, exact)
+        arrays = reader.read_many(paths, exact, cache=cache)
         return {p: fresh_to_tensor(arrays.pop(p), dtypes[p]) for p in paths}
 
     if skeleton is None:  # written by plain repo.save: a flat dict by path
@@ -398,7 +399,7 @@ def reader_state(reader: SnapshotReader, *, map_location: str | _torch.device | 
     tensors = read_all([p for p in paths if p not in numpy])
     if device is not None:  # before unflatten: a tied tensor is moved once and stays tied
         tensors = {p: t.to(device) for p, t in tensors.items()}
-    tensors.update(reader.read_many([p for p in paths if p in numpy], exact))  # numpy stays numpy, on the host
+    tensors.update(reader.read_many([p for p in paths if p in numpy], exact, cache=cache))  # numpy stays numpy, on the host
     return unflatten_state(node, tensors)
 
 

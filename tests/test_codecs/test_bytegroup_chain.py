@@ -266,6 +266,24 @@ def test_the_object_store_reads_a_chain_in_planes_exactly_and_caches_only_the_re
     assert calls == [len(ids), len(ids) - 1]
 
 
+@pytest.mark.parametrize("newest", [0, 2, 5])
+def test_take_gives_the_payload_as_an_array_of_the_callers_own_and_caches_nothing(newest: int) -> None:
+    """``ObjectStore.take`` (an export's chunk reads): get's bytes, as a new writable array,
+    a lone keyframe (``newest`` 0) and chains alike decoded in planes; nothing cached, and
+    from a cached payload a copy."""
+    objects, ids, versions = _store_chain()
+    fresh = cas.ObjectStore(objects.storage)
+    taken = fresh.take(ids[newest])
+    assert taken.tobytes() == versions[newest].tobytes() and taken.dtype == np.uint8
+    assert taken.flags.writeable and fresh._cache._size == 0
+    taken[:] = 0
+    assert fresh.take(ids[newest]).tobytes() == versions[newest].tobytes()
+    assert fresh.get(ids[newest]) == versions[newest].tobytes()  # cached now
+    again = fresh.take(ids[newest])
+    again[:] = 0
+    assert fresh.get(ids[newest]) == versions[newest].tobytes()
+
+
 def _rewrite(objects: cas.ObjectStore, oid: str, change: object) -> None:
     """Object ``oid`` with its body changed by ``change(body)`` and its checksum recomputed:
     damage only its decoding can find."""
@@ -286,6 +304,9 @@ def _errors(objects: cas.ObjectStore, oid: str, monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(InshrinkError) as old:
             cas.ObjectStore(objects.storage).get(oid)
     assert type(got.value) is type(old.value)
+    with pytest.raises(InshrinkError) as taken:  # an export's read: the same error
+        cas.ObjectStore(objects.storage).take(oid)
+    assert type(taken.value) is type(got.value) and str(taken.value) == str(got.value)
     return str(got.value), str(old.value)
 
 

@@ -70,6 +70,9 @@ def test_whole_read_matches_zarr(shape_chunks: tuple[tuple[int, ...], tuple[int,
     assert fast.flags.writeable and fast.flags.c_contiguous
     if name != "nuq":
         assert fast.tobytes() == values.tobytes()
+    uncached = ins.open(repo.url).checkout().read("t", cache=False)  # ObjectStore.take's chunks
+    assert uncached.tobytes() == through_zarr.tobytes() and uncached.dtype == fast.dtype, name
+    assert uncached.flags.writeable and uncached.flags.c_contiguous
 
 
 def test_store_written_tensors_take_the_fast_path_and_are_writable() -> None:
@@ -86,6 +89,34 @@ def test_store_written_tensors_take_the_fast_path_and_are_writable() -> None:
         np.testing.assert_array_equal(got, expected)
         got[...] = 0  # a restore hands arrays to torch.from_numpy: they must be writable
     np.testing.assert_array_equal(reader.read("big"), tensors["big"])  # nothing cached was changed
+
+
+def test_an_uncached_read_is_the_same_tensor_in_memory_of_its_own_and_caches_nothing() -> None:
+    """``read(cache=False)`` (an export's reads, issue 43 item 10): the same values, writable;
+    a one-chunk tensor is the decoded chunk itself and the object store keeps none of them,
+    so a later cached read, and a later uncached one, are unaffected by writes to it."""
+    repo = ins.open(f"memory://whole-read-{uuid.uuid4().hex}", create=True)
+    rng = np.random.default_rng(1)
+    tensors = {"big": rng.standard_normal((1100, 1024)).astype(np.float32),  # two 4 MiB chunks
+               "small": rng.standard_normal(7).astype(np.float32),
+               "ints": np.arange(10, dtype=np.int64)}
+    for step in range(3):  # deltas: the newest chunks are chains of bytegroup links
+        repo.save({k: v + step if v.dtype == np.float32 else v for k, v in tensors.items()})
+    expected = {k: v + 2 if v.dtype == np.float32 else v for k, v in tensors.items()}
+    reader = ins.open(repo.url).checkout()
+    objects = reader.view.objects
+    for name, want in expected.items():
+        got = reader.read_many([name], cache=False)[name]
+        np.testing.assert_array_equal(got, want)
+        assert got.flags.writeable and got.flags.c_contiguous
+        got[...] = 0
+    assert objects._cache._size == 0  # nothing kept: no chunk, and no link of a chain
+    for name, want in expected.items():
+        np.testing.assert_array_equal(reader.read(name, cache=False), want)
+        np.testing.assert_array_equal(reader.read(name), want)  # cached now
+        fresh = reader.read(name, cache=False)  # a copy out of the cache, not the cache's bytes
+        fresh[...] = 0
+        np.testing.assert_array_equal(reader.read(name), want)
 
 
 def test_an_unknown_chain_reads_through_zarr() -> None:
