@@ -257,7 +257,7 @@ class SnapshotReader:
         """Decode the chunks of one array: on the cores of a local disk, or several requests
         at once on an object store."""
         storage = self.view.objects.storage
-        local = storage.is_local or storage.protocol == "memory"
+        local = not storage.is_remote
         return map_in_order(fn, items, (os.cpu_count() or 1) if local else _PARALLEL_READS, "inshrink-chunks")
 
     def _check_backing(self, info: ArrayInfo) -> None:
@@ -305,7 +305,7 @@ class SnapshotReader:
 
         storage = self.view.objects.storage
         # an object store waits on requests; a local disk or memory on the cores
-        local = storage.is_local or storage.protocol == "memory"
+        local = not storage.is_remote
         arrays = map_in_order(one, names, (os.cpu_count() or 1) if local else _PARALLEL_READS, "inshrink-read")
         return dict(zip(names, arrays, strict=True))
 

@@ -281,12 +281,12 @@ class _ChunkPipeline:
         # per encoder; a local disk adds spares for the fsyncs; an object store's put mostly
         # waits on its request
         storage = view.objects.storage
-        if storage.protocol == "memory":
-            self._puts_wanted = self._encoders_wanted
+        if storage.is_remote:
+            self._puts_wanted = max(PUT_THREADS, 2 * self._encoders_wanted)
         elif storage.is_local:  # a put blocked in fsync leaves its core idle: spares fill the gap
             self._puts_wanted = self._encoders_wanted + LOCAL_SPARE_PUTS
-        else:
-            self._puts_wanted = max(PUT_THREADS, 2 * self._encoders_wanted)
+        else:  # in this process's memory
+            self._puts_wanted = self._encoders_wanted
         self._encoders: ThreadPoolExecutor | None = None
         self._putters: ThreadPoolExecutor | None = None
         self._slots = threading.BoundedSemaphore(2 * self._puts_wanted)

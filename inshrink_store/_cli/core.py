@@ -39,6 +39,7 @@ from rich.text import Text
 
 import inshrink_store as ins
 from inshrink_store.errors import InshrinkError
+from inshrink_store.storage import remote_service
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -112,21 +113,17 @@ def _options(
     _session.url = None
 
 
-def _protocol(url: str) -> str:
-    return url.split("://", 1)[0].lower() if "://" in url else "file"
-
-
 def _storage_options(url: str) -> dict[str, Any] | None:
     """Backend options for the CLI: a short connect timeout and few retries on s3:// and
     gs:// (botocore's defaults wait far longer when an endpoint or the network is gone).
     Other settings come from fsspec's configuration and the usual environment variables
     (AWS_ENDPOINT_URL, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS...)."""
-    protocol = _protocol(url)
-    if protocol in ("s3", "s3a"):
+    service = remote_service(url)
+    if service == "s3":
         configured = (fsspec.config.conf.get("s3") or {}).get("config_kwargs") or {}
         return {"config_kwargs": {"retries": {"max_attempts": 2}, **configured,
                                   "connect_timeout": _session.timeout}}
-    if protocol in ("gs", "gcs"):
+    if service == "gcs":
         try:
             import aiohttp
         except ImportError:  # gcsfs is not installed: Storage names the extra to install
@@ -137,11 +134,11 @@ def _storage_options(url: str) -> dict[str, Any] | None:
 
 def _backend_hint(url: str | None) -> str:
     """Where a remote backend gets its settings, for an error line about it."""
-    protocol = _protocol(url or "")
-    if protocol in ("s3", "s3a"):
+    service = remote_service(url or "")
+    if service == "s3":
         where = ("S3 credentials come from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
                  "an endpoint other than AWS from AWS_ENDPOINT_URL")
-    elif protocol in ("gs", "gcs"):
+    elif service == "gcs":
         where = ("GCS credentials come from GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth "
                  "application-default login`")
     else:

@@ -14,18 +14,17 @@ from typing import Any
 import fsspec
 
 import inshrink_store as ins
-from inshrink_store._cli.core import _n, _protocol, _say, _session, _storage_options, err
+from inshrink_store._cli.core import _n, _say, _session, _storage_options, err
 from inshrink_store.errors import FormatError, InshrinkError
 from inshrink_store.layout import CONFIG_FILE
-from inshrink_store.storage import require_supported
+from inshrink_store.storage import local_path, remote_service, require_supported
 
-REMOTE = ("s3", "s3a", "gs", "gcs")
 
 def _local_path(url: str) -> Path | None:
-    """The directory a store URL names on this machine, or None for a remote or memory URL."""
-    if url.startswith("file://"):
-        return Path(url[len("file://"):])
-    return None if "://" in url else Path(url)
+    """The directory a store URL names on this machine, or None for a remote or memory URL
+    (storage's scheme table says which)."""
+    path = local_path(url)
+    return None if path is None else Path(path)
 
 
 def _require_room_for_store(url: str) -> None:
@@ -78,7 +77,7 @@ def _remote_fs(url: str) -> tuple[Any, str]:
 def _missing_bucket(url: str) -> str | None:
     """The bucket of an s3:// or gs:// URL when the backend says it does not exist, else
     None (also when that cannot be told: the error at hand is then reported as it is)."""
-    if _protocol(url) not in REMOTE:
+    if remote_service(url) is None:
         return None
     try:
         fs, root = _remote_fs(url)

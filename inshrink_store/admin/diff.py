@@ -121,7 +121,7 @@ def _workers(parts: StoreParts) -> int:
     """Tensors compared at once: the cores on a local disk or in memory, several requests at
     once on an object store (numpy, zstd and I/O release the GIL)."""
     storage = parts.storage
-    local = storage.is_local or storage.protocol == "memory"
+    local = not storage.is_remote
     return (os.cpu_count() or 1) if local else _PARALLEL_REQUESTS
 
 

@@ -168,7 +168,7 @@ def _workers(fresh: ObjectStore) -> int:
     """Threads for reading objects: the cores on a local disk or in memory, several requests
     at once on an object store (numpy, zstd, hashing and I/O release the GIL)."""
     storage = fresh.storage
-    local = storage.is_local or storage.protocol == "memory"
+    local = not storage.is_remote
     return (os.cpu_count() or 1) if local else _PARALLEL_REQUESTS
 
 

@@ -26,41 +26,51 @@ from typing import Any
 
 from inshrink_store.errors import InvalidInputError
 from inshrink_store.storage.base import (
+    SCHEMES,
     SUPPORTED_PROTOCOLS,
     FsspecStorage,
+    Scheme,
     Storage,
     filesystem,
+    local_path,
     protocol_of,
+    remote_service,
     require_supported,
+    scheme_of,
 )
 from inshrink_store.storage.local import LocalStorage
 from inshrink_store.storage.memory import MemoryStorage
 from inshrink_store.storage.remote import ObjectStorage
 
 __all__ = [
+    "BACKENDS",
+    "SCHEMES",
     "SUPPORTED_PROTOCOLS",
     "FsspecStorage",
     "LocalStorage",
     "MemoryStorage",
     "ObjectStorage",
+    "Scheme",
     "Storage",
     "filesystem",
+    "local_path",
     "open_storage",
     "protocol_of",
+    "remote_service",
     "require_supported",
+    "scheme_of",
 ]
+
+#: the backend class of each kind of scheme in :data:`SCHEMES`
+BACKENDS: dict[str, type[FsspecStorage]] = {"local": LocalStorage, "memory": MemoryStorage, "object": ObjectStorage}
 
 
 def backend_for(url: str) -> type[FsspecStorage]:
     """The backend class :func:`open_storage` builds for ``url`` (a path or ``file://``: the
     local disk; ``memory://``: this process's memory; any other scheme: an object store,
     which refuses a scheme it does not support when it is built)."""
-    protocol = protocol_of(url)
-    if protocol in ("file", "local"):
-        return LocalStorage
-    if protocol == "memory":
-        return MemoryStorage
-    return ObjectStorage
+    scheme = scheme_of(url)
+    return ObjectStorage if scheme is None else BACKENDS[scheme.backend]
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:

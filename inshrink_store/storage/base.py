@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import fsspec
 
@@ -25,20 +27,65 @@ from inshrink_store.errors import (
 )
 from inshrink_store.layout import is_temp
 
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 T = TypeVar("T")
 
 
-#: the schemes a store may live at. Why only these: a commit is an exclusive create, which a
-#: local disk (a link), memory (a lock) and S3 and GCS (a conditional put the server decides)
-#: make atomic; another fsspec backend would fail late (ftp://, http://: a connection error
-#: that names no cause) or create racily
-SUPPORTED_PROTOCOLS = ("file", "local", "memory", "s3", "s3a", "gs", "gcs")
+@dataclass(frozen=True)
+class Scheme:
+    """What the store knows of one URL scheme: the ``backend`` that serves it (a local disk,
+    this process's memory, or an object store), the pip ``extra`` that installs its fsspec
+    backend (None: fsspec's own), and the cloud ``service`` whose settings and credentials
+    its URLs take (``"s3"``, ``"gcs"``; None off the cloud)."""
+
+    backend: Literal["local", "memory", "object"]
+    extra: str | None = None
+    service: Literal["s3", "gcs"] | None = None
+
+
+#: the schemes a store may live at, the one table of them: the backend is picked from it
+#: (:func:`~inshrink_store.storage.backend_for`), and so are the extra a missing backend names,
+#: what a URL names on this machine (:func:`local_path`) and the cloud service whose
+#: settings it takes (:func:`remote_service`). Why only these: a commit is an exclusive
+#: create, which a local disk (a link), memory (a lock) and S3 and GCS (a conditional put the
+#: server decides) make atomic; another fsspec backend would fail late (ftp://, http://: a
+#: connection error that names no cause) or create racily
+SCHEMES: Mapping[str, Scheme] = MappingProxyType({
+    "file": Scheme("local"),
+    "local": Scheme("local"),
+    "memory": Scheme("memory"),
+    "s3": Scheme("object", "s3", "s3"),
+    "s3a": Scheme("object", "s3", "s3"),
+    "gs": Scheme("object", "gcs", "gcs"),
+    "gcs": Scheme("object", "gcs", "gcs"),
+})
+SUPPORTED_PROTOCOLS = tuple(SCHEMES)
 SUPPORTED_URLS = "a file path (or file://), memory://, s3:// (or s3a://) or gs:// (or gcs://)"
 
 
 def protocol_of(url: str) -> str:
+    """The scheme of a store URL; ``"file"`` for a plain path."""
     return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def scheme_of(url: str) -> Scheme | None:
+    """The table's entry for ``url``'s scheme; None for a scheme no store may live at."""
+    return SCHEMES.get(protocol_of(url))
+
+
+def local_path(url: str) -> str | None:
+    """The path on this machine's disk a store URL names (a plain path, or a ``file://``
+    URL's path); None for memory, an object store or an unsupported scheme."""
+    scheme = scheme_of(url)
+    if scheme is None or scheme.backend != "local":
+        return None
+    return url.split("://", 1)[1] if "://" in url else url
+
+
+def remote_service(url: str) -> Literal["s3", "gcs"] | None:
+    """The cloud service whose settings a store URL takes (``"s3"`` for s3:// and s3a://,
+    ``"gcs"`` for gs:// and gcs://); None for a path, memory or an unsupported scheme."""
+    scheme = scheme_of(url)
+    return None if scheme is None else scheme.service
 
 
 def require_supported(url: str) -> None:
@@ -58,14 +105,14 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     require_supported(url)
     storage_options = dict(storage_options or {})
     protocol = protocol_of(url)
-    if protocol in _EXTRAS:
+    if SCHEMES[protocol].backend == "object":
         # Refs are found by listing, and another writer may add one at any moment:
         # a cached listing would hide its commit (a stale head, a missed conflict).
         storage_options = {"use_listings_cache": False, **storage_options}
     try:
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
     except ImportError as exc:
-        extra = _EXTRAS.get(protocol, protocol)
+        extra = SCHEMES[protocol].extra or protocol
         raise MissingDependencyError(
             f"Expected the fsspec backend for {protocol}:// to be installed. Got an ImportError "
             f"instead ({exc}). Install it with: pip install 'inshrink-store[{extra}]'"
@@ -109,7 +156,10 @@ class Storage(Protocol):
         respect.
 
     ``is_local`` says something else: the store is a path on this machine's disk
-    (``root`` is a local path, and writes pay a fsync rather than a request).
+    (``root`` is a local path, and writes pay a fsync rather than a request). ``is_remote``:
+    every operation is a request over a network (an object store), which waits far longer
+    than it computes, so callers run several at once rather than one per core. A store in
+    this process's memory is neither.
     """
 
     url: str
@@ -118,6 +168,7 @@ class Storage(Protocol):
     root: str
     protocol: str
     is_local: bool
+    is_remote: bool
     supports_rename: bool
     atomic_create: bool
     listing_consistent: bool
@@ -185,6 +236,7 @@ class FsspecStorage:
     :func:`~inshrink_store.storage.open_storage`, which picks the subclass for a URL."""
 
     is_local: bool = False
+    is_remote: bool = False
     supports_rename: bool = False
     atomic_create: bool = False
     listing_consistent: bool = False

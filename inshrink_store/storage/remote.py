@@ -30,6 +30,7 @@ class ObjectStorage(FsspecStorage):
     and GCS list strongly consistently, and fsspec's listing cache is off (see the module
     docstring)."""
 
+    is_remote = True
     supports_rename = False
     atomic_create = True
     listing_consistent = True

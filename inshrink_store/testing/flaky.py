@@ -187,6 +187,7 @@ class FlakyStorage:
     root: str
     protocol: str
     is_local: bool
+    is_remote: bool
     supports_rename: bool
     atomic_create: bool
     listing_consistent: bool
@@ -201,7 +202,7 @@ class FlakyStorage:
         # behave as it does on that backend (copied, not delegated: the protocol's members
         # are plain attributes)
         self.url, self.storage_options, self.root = inner.url, inner.storage_options, inner.root
-        self.protocol, self.is_local = inner.protocol, inner.is_local
+        self.protocol, self.is_local, self.is_remote = inner.protocol, inner.is_local, inner.is_remote
         self.supports_rename, self.atomic_create = inner.supports_rename, inner.atomic_create
         self.listing_consistent = inner.listing_consistent
         self.rules: list[FaultRule] = []

@@ -47,7 +47,7 @@ from inshrink_store.errors import (
 )
 from inshrink_store.parallel import map_in_order
 from inshrink_store.repository import Repository, SnapshotInfo
-from inshrink_store.storage import protocol_of
+from inshrink_store.storage import local_path, protocol_of
 from inshrink_store.torch.dcp_format import DOC_ATTR, Chunk, DcpDocument, TensorEntry, ValueEntry
 from inshrink_store.torch.tensors import TORCH_DTYPES, array_to_tensor, torch
 
@@ -72,8 +72,8 @@ def valid_checkpoint_id(checkpoint_id: Any) -> bool:
     """A checkpoint id these classes take: a local path or a URL of a protocol fsspec knows."""
     if not isinstance(checkpoint_id, (str, os.PathLike)) or not os.fspath(checkpoint_id):
         return False
-    protocol = protocol_of(str(os.fspath(checkpoint_id)))
-    return protocol in ("file", "local") or protocol in fsspec.available_protocols()
+    url = str(os.fspath(checkpoint_id))
+    return local_path(url) is not None or protocol_of(url) in fsspec.available_protocols()
 
 
 class CheckpointIdIsTheUrl:
@@ -200,7 +200,7 @@ class InshrinkStorageReader(CheckpointIdIsTheUrl, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         reader = self._require_reader()
         storage = reader.view.objects.storage
-        local = storage.is_local or storage.protocol == "memory"
+        local = not storage.is_remote
         threads = (os.cpu_count() or 1) if local else 8
         items = list(plan.items)
         for start in range(0, len(items), READ_WINDOW):
