@@ -55,7 +55,7 @@ from inshrink_store.object_format import (
     keyframe_body,
     parse_header,
 )
-from inshrink_store.storage import Storage
+from inshrink_store.storage import LocalStorage, Storage
 
 log = logging.getLogger(__name__)
 #: what a chain decoded in byte planes gives: bytes (:meth:`ObjectStore.get`) or an array (:meth:`ObjectStore.take`)
@@ -353,7 +353,7 @@ class ObjectStore:
         other payloads are decoded link by link as :meth:`get` decodes them, and copied."""
         cached = self._cache.get(oid)
         if cached is None:
-            chain, base_payload = self._read_chain(oid)
+            chain, base_payload = self._read_chain(oid, mapped=True)  # each body dropped once decoded
             payload = self._decode_in_planes(oid, chain, base_payload, bytegroup.decode_chain, least=1,
                                              keep=False)
             if payload is not None:
@@ -361,9 +361,11 @@ class ObjectStore:
             cached = self._decode_links(chain, base_payload, keep=False)
         return np.frombuffer(cached, np.uint8).copy()
 
-    def _read_chain(self, oid: str) -> tuple[list[tuple[str, ObjectHeader, memoryview]], bytes | None]:
+    def _read_chain(self, oid: str, mapped: bool = False) -> tuple[list[tuple[str, ObjectHeader, memoryview]],
+                                                                    bytes | None]:
         """(links from ``oid`` down to a keyframe or a cached payload, newest first, with header
-        and checksummed body; that cached payload or None)."""
+        and checksummed body; that cached payload or None). ``mapped``: on a local disk the
+        bodies are views of the files mapped into memory (:meth:`LocalStorage.read_mapped`)."""
         chain: list[tuple[str, ObjectHeader, memoryview]] = []
         seen: set[str] = set()
         current: str | None = oid
@@ -379,8 +381,8 @@ class ObjectStore:
             if cached is not None:
                 base_payload = cached
                 break
-            stored = self._read_link(oid, current, chain)
-            header = parse_header(current, stored, len(stored))
+            stored = self._read_link(oid, current, chain, mapped)
+            header = parse_header(current, bytes(stored[:HEADER_SIZE]), len(stored))
             if chain and chain[-1][1].depth != header.depth + 1:
                 raise IntegrityError(
                     f"Expected delta object {chain[-1][0]} (depth {chain[-1][1].depth}) to be one "
@@ -444,9 +446,16 @@ class ObjectStore:
             return None
         return payload
 
-    def _read_link(self, oid: str, current: str, chain: list[tuple[str, ObjectHeader, memoryview]]) -> bytes:
-        """Stored bytes of ``current``; a missing *base* means the chain of ``oid`` is broken."""
+    def _read_link(self, oid: str, current: str, chain: list[tuple[str, ObjectHeader, memoryview]],
+                   mapped: bool = False) -> bytes | memoryview:
+        """Stored bytes of ``current`` (``mapped``: see :meth:`_read_chain`); a missing *base*
+        means the chain of ``oid`` is broken."""
         try:
+            if mapped and isinstance(self.storage, LocalStorage):
+                try:
+                    return self.storage.read_mapped(object_path(current))
+                except FileNotFoundError:
+                    raise _missing(current) from None
             return self.read_stored(current)
         except NotFoundError as exc:
             if not chain:

@@ -262,7 +262,7 @@ def object_checksum(head: bytes | memoryview, body: bytes | memoryview) -> int:
     return hasher.intdigest()
 
 
-def checked_body(oid: str, header: ObjectHeader, stored: bytes) -> memoryview:
+def checked_body(oid: str, header: ObjectHeader, stored: bytes | memoryview) -> memoryview:
     """The body of stored object ``oid`` once its checksum matches; IntegrityError otherwise."""
     view = memoryview(stored)
     body = view[HEADER_SIZE:]

@@ -4,6 +4,7 @@ Layer: storage (with codecs and structure), above the helpers.
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import threading
@@ -119,6 +120,25 @@ class LocalStorage(FsspecStorage):
         if os.path.exists(full):
             self._inside(full)
         return super().read(path)
+
+    def read_mapped(self, path: str) -> bytes | memoryview:
+        """:meth:`read` of a file that is never rewritten in place (a content-addressed
+        object), as a read-only view of the file mapped into memory: the page cache's own
+        pages, not a copy of them into fresh memory (reading an ``export --all``'s 790 MiB of
+        objects into new bytes was a fifth of its CPU time, issue 43 item 10). The mapping
+        lives as long as the view; a file cut short while mapped would fault on access, so
+        only a reader that drops the view at once (a chunk's decode) should ask for one."""
+        full = self._full(path)
+        if os.path.exists(full):
+            self._inside(full)
+
+        def read() -> bytes | memoryview:
+            with open(full, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return b""  # nothing to map
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+        return self._call("read", path, read)
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         full = self._full(path)

@@ -6,6 +6,8 @@ damaged link raises the error the link-by-link read raises (issue 43, item 10).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from inshrink_store import cas, object_format
 from inshrink_store.codecs import bytegroup as bg
 from inshrink_store.errors import FormatError, InshrinkError, IntegrityError
 from inshrink_store.layout import object_path
-from inshrink_store.storage import open_storage
+from inshrink_store.storage import LocalStorage, open_storage
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -282,6 +284,32 @@ def test_take_gives_the_payload_as_an_array_of_the_callers_own_and_caches_nothin
     again = fresh.take(ids[newest])
     again[:] = 0
     assert fresh.get(ids[newest]) == versions[newest].tobytes()
+
+
+def test_take_on_a_local_disk_reads_mapped_objects_and_raises_what_get_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a local disk ``take`` reads each link as a view of its mapped file
+    (``LocalStorage.read_mapped``): the same payload, and for a damaged or a missing link the
+    error ``get`` raises."""
+    objects = cas.ObjectStore(open_storage(str(tmp_path / "store")))
+    versions = _versions("float32", 1 << 15, 4, 5, 1e-4, [False])
+    ids: list[str] = []
+    for data in versions:
+        ids.append(objects.put(data.tobytes(), base=ids[-1] if ids else None, element="float32").oid)
+    mapped: list[str] = []
+    read_mapped = LocalStorage.read_mapped
+    monkeypatch.setattr(LocalStorage, "read_mapped", lambda self, path: mapped.append(path) or read_mapped(self, path))
+    assert cas.ObjectStore(objects.storage).take(ids[-1]).tobytes() == versions[-1].tobytes()
+    assert mapped == [object_path(oid) for oid in reversed(ids)]
+    path = object_path(ids[2])
+    stored = bytearray(objects.storage.read(path))
+    stored[-100] ^= 0x01
+    objects.storage.write(path, bytes(stored))
+    got, _ = _errors(objects, ids[-1], monkeypatch)  # take's error is get's (checked there)
+    assert ids[2] in got and "checksum" in got
+    objects.storage.delete(path)
+    got, _ = _errors(objects, ids[-1], monkeypatch)
+    assert "the delta chain is broken" in got
 
 
 def _rewrite(objects: cas.ObjectStore, oid: str, change: object) -> None:
