@@ -127,7 +127,8 @@ class LocalStorage(FsspecStorage):
         pages, not a copy of them into fresh memory (reading an ``export --all``'s 790 MiB of
         objects into new bytes was a fifth of its CPU time, issue 43 item 10). The mapping
         lives as long as the view; a file cut short while mapped would fault on access, so
-        only a reader that drops the view at once (a chunk's decode) should ask for one."""
+        only a reader that drops the view at once (a chunk's decode) should ask for one. A
+        file system that cannot map files is read as :meth:`read` reads."""
         full = self._full(path)
         if os.path.exists(full):
             self._inside(full)
@@ -136,7 +137,10 @@ class LocalStorage(FsspecStorage):
             with open(full, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
                     return b""  # nothing to map
-                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                try:
+                    return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                except (OSError, ValueError):  # no mmap there (some network and FUSE mounts)
+                    return f.read()
 
         return self._call("read", path, read)
 

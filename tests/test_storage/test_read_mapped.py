@@ -3,6 +3,7 @@ as a view of the file mapped into memory, with what ``read`` checks and raises."
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -52,3 +53,15 @@ def test_a_mapped_read_through_an_outward_link_is_refused_as_a_read_is(tmp_path:
     with pytest.raises(IntegrityError, match="symlink") as mapped:
         _local(tmp_path).read_mapped("objects/ab/cdef")
     assert str(mapped.value) == str(read.value)
+
+
+def test_where_files_cannot_be_mapped_a_mapped_read_reads_them(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = _local(tmp_path)
+    storage.write("objects/ab/cdef", b"payload")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(19, "No such device")  # ENODEV: what mmap raises on a file system without it
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert bytes(storage.read_mapped("objects/ab/cdef")) == b"payload"
