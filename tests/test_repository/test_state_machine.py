@@ -48,6 +48,9 @@ class RepositoryMachine(RuleBasedStateMachine):
         self.parents: dict[str, str | None] = {}
         self.heads: dict[str, str] = {}
         self.tag_map: dict[str, str] = {}
+        #: each branch's ref files, by seq: the version create_branch started it at (seq 0),
+        #: then each commit; gc removes a ref file with its version (read: an id not in states)
+        self.journals: dict[str, list[str]] = {}
         self.counter = 0
 
     def teardown(self) -> None:
@@ -56,13 +59,34 @@ class RepositoryMachine(RuleBasedStateMachine):
 
     # -- model helpers -----------------------------------------------------------------
     def history(self, branch: str) -> list[str]:
-        """The branch head and its ancestors that are still alive, newest first."""
+        """What ``log`` lists (and ``branch~N`` counts): the head, then each version's parent,
+        or where gc removed the parent, the version the ref files say was committed before it
+        and is still kept (:meth:`_kept_before`), newest first."""
         out: list[str] = []
         current: str | None = self.heads[branch]
-        while current is not None and current in self.states:
+        while current is not None and current in self.states and current not in out:
             out.append(current)
-            current = self.parents[current]
+            parent = self.parents[current]
+            current = parent if parent is None or parent in self.states else self._kept_before(current)
         return out
+
+    def _kept_before(self, sid: str) -> str | None:
+        """The model of ``history._kept_before``: on each branch with a ref file ``s`` naming
+        ``sid``, where ref file ``s - 1`` is gone or names its parent, the newest kept version
+        a ref file below ``s - 1`` names; taken only when the branches agree."""
+        found: set[str] = set()
+        for entries in self.journals.values():
+            for s, named in enumerate(entries):
+                if named != sid:
+                    continue
+                before = entries[s - 1] if s >= 1 and entries[s - 1] in self.states else None
+                if before not in (None, self.parents[sid]):
+                    continue
+                for older in reversed(entries[:max(s - 1, 0)]):
+                    if older in self.states and older != self.parents[sid]:
+                        found.add(older)
+                        break
+        return found.pop() if len(found) == 1 else None
 
     def check_reads_back(self, sid: str) -> None:
         loaded = self.repo.load(sid)
@@ -84,6 +108,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         self.states[info.id] = state
         self.parents[info.id] = info.parent
         self.heads[branch] = info.id
+        self.journals.setdefault(branch, []).append(info.id)
         return branch
 
     @precondition(lambda self: bool(self.heads))
@@ -106,6 +131,7 @@ class RepositoryMachine(RuleBasedStateMachine):
             raise AssertionError(f"{source}~{back} resolved beyond the kept history")
         assert self.repo.create_branch(name, f"{source}~{back}") == history[back]
         self.heads[name] = history[back]
+        self.journals[name] = [history[back]]
 
     @precondition(lambda self: bool(self.heads))
     @rule(name=TAG_NAMES, source=branch_names, back=st.integers(0, 2))
