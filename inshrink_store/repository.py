@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
+from typing_extensions import Unpack
 
 from inshrink_store import admin, leases, residual, store_settings
 from inshrink_store.errors import InvalidInputError, NotFoundError
@@ -350,7 +351,8 @@ class Repository:
                                            residuals_only=True)
         return collector.run(dry_run=dry_run)
 
-    def garbage_collector(self, keep_last: int | None = None, **options: Any) -> admin.GarbageCollector:
+    def garbage_collector(self, keep_last: int | None = None,
+                          **options: Unpack[admin.GcOptions]) -> admin.GarbageCollector:
         """A gc run in explicit steps (``start``, ``mark``, ``sweep``, ``finish``)."""
         return admin.GarbageCollector(self._parts, keep_last, **options)
 

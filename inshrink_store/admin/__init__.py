@@ -13,11 +13,11 @@ from inshrink_store.admin.du import (
     stored_bytes,
     usage_document,
 )
-from inshrink_store.admin.gc import GarbageCollector, GcReport, gc
+from inshrink_store.admin.gc import GarbageCollector, GcOptions, GcReport, gc
 from inshrink_store.admin.reachability import Reachable, reachable
 from inshrink_store.admin.verify import Problem, VerifyReport, verify
 
 __all__ = [
-    "DiffReport", "DuSummary", "GarbageCollector", "GcReport", "Problem", "Reachable", "TensorChange", "UsageRow",
+    "DiffReport", "DuSummary", "GarbageCollector", "GcOptions", "GcReport", "Problem", "Reachable", "TensorChange", "UsageRow",
     "VerifyReport", "diff", "du", "du_summary", "gc", "reachable", "stored_bytes", "usage_document", "verify",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from inshrink_store import leases, residual
 from inshrink_store.admin.reachability import (
@@ -68,6 +68,18 @@ class GcReport:
         return {"dry_run": self.dry_run, "kept_snapshots": self.kept_snapshots,
                 "deleted": {k: len(v) for k, v in self.deleted.items()}, "freed_bytes": self.freed_bytes,
                 "dangling": list(self.dangling)}
+
+
+class GcOptions(TypedDict, total=False):
+    """The keywords of :class:`GarbageCollector` besides ``keep_last`` (what
+    ``Repository.garbage_collector(**options)`` passes on)."""
+
+    stale_after: float
+    wait: float
+    progress: Progress | None
+    on_wait: Callable[[str], None] | None
+    keep_alive: bool
+    residuals_only: bool
 
 
 class GarbageCollector:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from inshrink_store import dtypes as dtype_registry
 from inshrink_store.codecs import _zstd
@@ -418,7 +419,7 @@ def fresh_codebook(part: Part, levels: int, include_zero: bool, dtype: str, *,
 
 
 def quantize_tensor(t: TensorInput, config: QuantSettings, prune_threshold: float | None = None,
-                    previous: Any = None, *, cache: PartitionCache | None = None,
+                    previous: ArrayLike | None = None, *, cache: PartitionCache | None = None,
                     name: str | None = None) -> QuantizedTensor:
     """Quantize one tensor; ``prune_threshold`` is its layer type's pooled threshold.
 

@@ -83,12 +83,10 @@ ALLOWED: dict[str, str] = {
 }
 
 #: bare Any outside ALLOWED still to type (issue 45, item 5): it may only go down. Left, with
-#: what types them: Repository.garbage_collector(options) (GcOptions' keywords) and
-#: policy.partition.quantize_tensor(previous) (an ndarray | None) in files another change
-#: held; LogSketch.from_values(values) (an ArrayLike, once partition.py stops passing its
-#: Optional sensitivity); SnapshotReader.__init__(info) (a SnapshotInfo, which the layers
-#: contract keeps the reader from importing: history sits above reader).
-STILL_TO_TYPE = 4
+#: what types them: LogSketch.from_values(values) (an ArrayLike, once partition.py stops
+#: passing its Optional sensitivity); SnapshotReader.__init__(info) (a SnapshotInfo, which the
+#: layers contract keeps the reader from importing: history sits above reader).
+STILL_TO_TYPE = 2
 
 
 def _functions() -> Iterator[tuple[str, Callable[..., object], bool]]:
