@@ -79,20 +79,26 @@ def test_skip_returns_at_once_and_records_the_skipped_step(caplog: pytest.LogCap
     assert ck.skipped == [20]
 
 
+def _blocks_until_released(ck: Checkpointer, held: _Held, step: int, why: str) -> None:
+    """``ck.save(step)`` on a thread: still inside ``save`` 0.3 s later (the running save is
+    held), returned once the held save is released."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (ck.save(step), done.set()))
+    thread.start()
+    try:
+        assert not done.wait(0.3), why
+    finally:
+        held.release()
+    thread.join(HANG)
+    assert done.is_set()
+
+
 def test_wait_still_waits_for_the_running_save() -> None:
     ck, held, repo = _held_checkpointer()  # the default
     assert ck.on_busy == "wait"
     ck.save(10)
     assert held.entered.wait(HANG)
-    done = threading.Event()
-    second = threading.Thread(target=lambda: (ck.save(20), done.set()))
-    second.start()
-    try:
-        assert not done.wait(0.3), "save returned while the previous save was still running"
-    finally:
-        held.release()
-    second.join(HANG)
-    assert done.is_set()
+    _blocks_until_released(ck, held, 20, "save returned while the previous save was still running")
     ck.close()
     assert [info.step for info in repo.log()] == [20, 10]
     assert ck.skipped == []
@@ -116,15 +122,7 @@ def test_wait_stages_one_save_on_the_device_behind_the_running_one() -> None:
     with torch.no_grad():
         weight.add_(1.0)
     at_30 = weight.detach().clone()
-    done = threading.Event()
-    third = threading.Thread(target=lambda: (ck.save(30), done.set()))
-    third.start()
-    try:
-        assert not done.wait(0.3), "a second save was queued behind the running and the queued one"
-    finally:
-        held.release()
-    third.join(HANG)
-    assert done.is_set()
+    _blocks_until_released(ck, held, 30, "a second save was queued behind the running and the queued one")
     ck.close()
     assert [info.step for info in repo.log()] == [30, 20, 10]
     snap = repo.snapshot(repo.log()[1].id)
@@ -141,15 +139,7 @@ def test_without_room_on_the_device_wait_waits_as_before() -> None:
     ck._staging = HostStaging(_device=FakeDevice(room=0))
     ck.save(10)
     assert held.entered.wait(HANG)
-    done = threading.Event()
-    second = threading.Thread(target=lambda: (ck.save(20), done.set()))
-    second.start()
-    try:
-        assert not done.wait(0.3), "save returned while the running save held the only copy's buffers"
-    finally:
-        held.release()
-    second.join(HANG)
-    assert done.is_set()
+    _blocks_until_released(ck, held, 20, "save returned while the running save held the only copy's buffers")
     ck.close()
     assert [info.step for info in repo.log()] == [20, 10]
 
