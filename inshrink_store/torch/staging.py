@@ -174,7 +174,7 @@ class HostStaging:
         tensors and everything else are copied now."""
         cuda: dict[tuple[Any, ...], tuple[str, Any]] = {}
         self._collect(obj, "", cuda)
-        staged = self._stage_into_arena(obj, cuda, busy=False)
+        staged = self._stage_into_arena(obj, cuda)
         return staged._state, staged
 
     def stage(self, obj: Any, busy: bool) -> Staged | None:
@@ -194,10 +194,11 @@ class HostStaging:
                 return staged
         if busy:  # CPU state too: a queued copy of it would cost the host its size again
             return None
-        return self._stage_into_arena(obj, cuda, busy)
+        return self._stage_into_arena(obj, cuda)
 
     # -- the two ways ------------------------------------------------------------------------
-    def _stage_into_arena(self, obj: Any, cuda: dict[tuple[Any, ...], tuple[str, Any]], busy: bool) -> Staged:
+    def _stage_into_arena(self, obj: Any, cuda: dict[tuple[Any, ...], tuple[str, Any]]) -> Staged:
+        """``host`` mode: no save is running, so the arena and the reused buffers are free."""
         tensors = list(cuda.values())
         views = self._arena(tensors)
         buffers = dict(zip(cuda, views, strict=True))
@@ -206,7 +207,7 @@ class HostStaging:
             view.copy_(t, non_blocking=True)
             devices.add(t.device)
         host: dict[str, Any] = {}
-        out = self._copy(obj, buffers, {}, "", host, reuse=not busy)
+        out = self._copy(obj, buffers, {}, "", host, reuse=True)
         self._host = host  # buffers of tensors no longer in the state are dropped
         events = [self._dev.record(device) for device in sorted(devices, key=str)]
         return Staged(events, "host" if devices else "none", None, out)
