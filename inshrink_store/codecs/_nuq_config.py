@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from inshrink_store import dtypes
 from inshrink_store.errors import FormatError
 
 CODEC_ID = "inshrink.nuq"
@@ -111,7 +112,37 @@ def config_codebook(values: Any) -> tuple[float, ...]:
             f"Expected codebook as a list of 1..{_MAX_CENTRES} numbers. "
             f"Got {values!r:.80} instead."
         )
-    return codebook
+    return short_codebook(codebook)
+
+
+def short_codebook(codebook: tuple[float, ...]) -> tuple[float, ...]:
+    """``codebook`` with each centre replaced by the shortest decimal of its float32 value
+    wherever that decimal rounds to the same centre in every element dtype the codec takes
+    (float32, float16, bfloat16; the centres the spec decodes with), else kept as it is.
+
+    Why: a codebook is JSON text in zarr.json, and a float32 centre written as its float64
+    value takes 17 digits (``-0.0015899459831416607``) where 8 or 9 name it
+    (``-0.001589946``); codebooks were 44 % of the zstd-packed documents of a version of the
+    evaluation's LM. Same centres, so the same payload bytes; readers parse any decimal. Made
+    at construction, so the codec in memory holds what its zarr.json says and what a reader
+    of it rebuilds (the function is idempotent)."""
+    c64 = np.asarray(codebook, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        c32 = c64.astype(np.float32)
+    finite = np.isfinite(c32)
+    if not finite.any():
+        return codebook
+    short = c64.copy()
+    short[finite] = [float(str(x)) for x in c32[finite]]
+    same = finite.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name in dtypes.CODEC_NAMES:
+            rounding = dtypes.by_codec_name(name).round_float32
+            a, b = rounding(c64), rounding(short)
+            same &= (a == b) | (np.isnan(a) & np.isnan(b))
+    if same.all():
+        return tuple(float(x) for x in short)
+    return tuple(float(s) if ok else float(c) for s, c, ok in zip(short, c64, same, strict=True))
 
 
 def config_choice(value: Any, name: str, allowed: tuple[str, ...], none_ok: bool = False) -> Any:

@@ -58,6 +58,9 @@ from inshrink_store.codecs._nuq_config import (
 from inshrink_store.codecs._nuq_config import (
     MAX_SCALES as MAX_SCALES,
 )
+from inshrink_store.codecs._nuq_config import (
+    short_codebook as short_codebook,
+)
 from inshrink_store.codecs._xp import array_namespace, like, to_host
 from inshrink_store.errors import FormatError
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from inshrink_store import dtypes as dtype_registry
-from inshrink_store.codecs.nuq import nearest_index
+from inshrink_store.codecs.nuq import nearest_index, short_codebook
 from inshrink_store.dtypes import QUANTIZABLE_NAMES
 from inshrink_store.errors import FormatError
 from inshrink_store.plans import ArrayPlan
@@ -215,7 +215,9 @@ def decide_shards(chosen: Mapping[str, ShardTarget], sketches: Mapping[str, LogS
         target, sketch = chosen[fqn], sketches[fqn]
         cut, threshold = _protect_cut(sketch, config.protect), thresholds.get(target.layer_type)
         centres, reused = _codebook(_rest(sketch, cut, threshold), target, config)
-        out[fqn] = ShardQuantization(tuple(float(c) for c in centres), cut, threshold, target.layer_type, reused)
+        # the codebook as its shards' zarr.json spell it (the codec shortens it): one text in the DCP document and every shard
+        out[fqn] = ShardQuantization(short_codebook(tuple(float(c) for c in centres)), cut, threshold,
+                                     target.layer_type, reused)
     return out
 
 

@@ -89,13 +89,15 @@ def codebooks(draw: st.DrawFn, min_size: int = 1, max_size: int = 40,
 
     Each centre is exactly representable in bfloat16 and float16 (normal range), so
     centres stay distinct whatever dtype they are rounded to. ``include_zero``: True
-    forces 0.0 in (the policy layer's pruned weights), None lets hypothesis choose.
+    forces 0.0 in (the policy layer's pruned weights), None lets hypothesis choose. Each
+    centre is spelled as the codec spells it (:func:`~inshrink_store.codecs.nuq.short_codebook`:
+    its fewest digits), so a codec built from these reports them unchanged.
     """
     centre = st.floats(-max_magnitude, max_magnitude, width=16, allow_subnormal=False).map(_bfloat16)
     values = set(draw(st.lists(centre, min_size=min_size, max_size=max_size, unique=True)))
     if include_zero or (include_zero is None and draw(st.booleans())):
         values.add(0.0)
-    return sorted(values) or [0.0]
+    return list(nuq.short_codebook(tuple(sorted(values)) or (0.0,)))
 
 
 @st.composite
