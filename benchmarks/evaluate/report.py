@@ -512,7 +512,7 @@ COLUMNS = [
     "Columns: restores in the run and how many were bit-exact; the three ratios; the final test "
     "metric and its change; the test loss (for the classifier a finer view than accuracy); the "
     "overhead; the mean time of one restore. *Ours, exact_resume=0* resumes from stored values but "
-    "searches the conservative resume space (256 levels, nothing pruned) that the store uses when "
+    "searches the conservative resume space (16-64 levels, at most 40 % pruned) that the store uses when "
     "there is no residual; *the paper's setting* also resumes from stored values and keeps the full "
     "search space, as the paper does.",
 ]

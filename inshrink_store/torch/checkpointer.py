@@ -146,9 +146,9 @@ class Checkpointer:
     ``exact_resume`` (default 1, at most 64): the newest N versions of the branch keep a
     restore residual, so :meth:`restore` from them is bit-exact (``restored_exact`` says
     so). With ``exact_resume=0`` a restart resumes from the stored, quantized state, so
-    the search runs in the policy's ``resume_space`` (256 levels, no pruning) instead of
-    its ``space``: an aggressive version within the tolerance at save time still costs
-    several percent of final quality when training resumes from it again and again.
+    the search runs in the policy's ``resume_space`` (16-64 levels, at most 40 % pruned)
+    instead of its ``space``: an aggressive version within the tolerance at save time can
+    still cost a few percent of final quality when training resumes from it again and again.
 
     ``closed_loop`` (default True): a float32 weight whose previous version is closed-loop is
     stored as the quantized residual against that version's stored values, and the search

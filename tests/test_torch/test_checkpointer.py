@@ -504,7 +504,7 @@ def test_a_bad_thread_count_is_a_clear_error(url: str, monkeypatch: pytest.Monke
 
 def test_without_a_residual_versions_are_searched_in_the_resume_space(url: str) -> None:
     """exact_resume=0: a restart resumes from what is stored, so the search runs in the
-    policy's resume_space (256 levels, nothing pruned by default), not its aggressive space."""
+    policy's resume_space (16-64 levels, at most 40 % pruned by default), not its aggressive space."""
     x, y, model, opt = _problem()
     repo = ins.open(url, create=True)
     policy = ins.policy.SearchPolicy(tolerance=0.05, space=SMALL_SPACE)
@@ -517,7 +517,10 @@ def test_without_a_residual_versions_are_searched_in_the_resume_space(url: str) 
         chosen[exact] = ck.wait().metadata["quantization"]["config"]
         ck.close()
     assert chosen[1] is not None and chosen[1]["bins"] in SMALL_SPACE.bins
-    assert chosen[0] is not None and (chosen[0]["bins"], chosen[0]["prune"]) == (256, 0.0)
+    resume = ins.policy.SearchPolicy().resume_space
+    assert chosen[0] is not None and chosen[0]["bins"] in resume.bins and chosen[0]["prune"] in resume.prune
+    # a point of the resume space, not of the policy's: magnitude scores, 0.5 % protected
+    assert (chosen[0]["prune_metric"], chosen[0]["protect"]) == ("magnitude", 0.005)
     custom = ins.policy.SearchPolicy(resume_space=SearchSpace(bins=(64,), prune=(0.0,), protect=(0.005,)))
     assert custom.resuming().space.bins == (64,) and custom.resuming().resume_space == custom.resume_space
     with pytest.raises(ins.FormatError, match="resume_space"):
