@@ -28,7 +28,13 @@ from inshrink_store.policy.config import (
     PRUNE,
     QuantConfig,
 )
-from inshrink_store.policy.moments import DEFAULT_MOMENTS, AdamHyper, MomentPolicy, MomentRecord
+from inshrink_store.policy.moments import (
+    DEFAULT_MOMENTS,
+    ROLLBACK_MOMENTS,
+    AdamHyper,
+    MomentPolicy,
+    MomentRecord,
+)
 from inshrink_store.policy.planner import StatePlanner
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
@@ -61,7 +67,7 @@ __all__ = [
     "SearchSpace", "StatePlanner",
     # one save's decision (closed loop or keyframe, which space, the fallback), and what it is made of
     "RESIDUAL_SPACE", "ParentVersion", "SaveDecider", "SaveOutcome", "SaveRun", "SaveState",
-    "MAX_LEVELS", "AdamHyper", "DEFAULT_MOMENTS", "MomentPolicy", "MomentRecord", "PolicyArgs",
+    "MAX_LEVELS", "AdamHyper", "DEFAULT_MOMENTS", "ROLLBACK_MOMENTS", "MomentPolicy", "MomentRecord", "PolicyArgs",
     "weights_from_fisher",
     # a distributed save's decision: one codebook per tensor from the ranks' merged sketches
     "ShardQuantization", "ShardTarget", "decide_shards", "merge_sketches", "shard_plan", "shard_targets",

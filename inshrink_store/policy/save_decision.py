@@ -289,10 +289,11 @@ class SaveDecider:
         return decision, plans, evaluate
 
     def search_policy(self, residual: bool) -> SearchPolicy:
-        """The policy a search runs with: the resume space when a restart loads what is stored;
-        the residual space for closed-loop residuals under the default space (a space the user
-        chose is kept for both keyframes and residuals)."""
-        policy = self.policy.resuming() if self.resume_space else self.policy
+        """The policy a search runs with: the resume space when a restart loads what is stored,
+        else the policy's history moments (:meth:`SearchPolicy.for_history`: stored moments
+        then serve rollbacks only); the residual space for closed-loop residuals under the
+        default space (a space the user chose is kept for both keyframes and residuals)."""
+        policy = self.policy.resuming() if self.resume_space else self.policy.for_history()
         if not self.resume_space and residual and policy.space == SearchSpace():
             policy = dataclasses.replace(policy, space=RESIDUAL_SPACE)
         return policy

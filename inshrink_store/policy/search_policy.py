@@ -30,7 +30,13 @@ from inshrink_store.policy.allocation import Allocation, AllocationCandidates, A
 from inshrink_store.policy.budgeted_search import QualityPredictor, SaveBudget, budgeted_search
 from inshrink_store.policy.candidates import KEEP, Candidates
 from inshrink_store.policy.config import DEFAULT_CONFIG, EMBEDDING_BINS, QuantConfig
-from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPlans, MomentPolicy, MomentRecord
+from inshrink_store.policy.moments import (
+    DEFAULT_MOMENTS,
+    ROLLBACK_MOMENTS,
+    MomentPlans,
+    MomentPolicy,
+    MomentRecord,
+)
 from inshrink_store.policy.plans import PlanSet
 from inshrink_store.policy.record import QuantizationRecord
 from inshrink_store.policy.search import SearchPoint, SearchResult, SearchSpace, search
@@ -128,7 +134,10 @@ class SearchPolicy:
     ``max_evaluations``: at most this many candidate evaluations per checkpoint (None: no
     limit); setting ``max_evaluations`` selects that search too. ``resume_space`` replaces ``space`` for
     versions a restart loads as stored (:meth:`resuming`; the Checkpointer with
-    ``exact_resume=0``): see :data:`RESUME_SPACE`.
+    ``exact_resume=0``): see :data:`RESUME_SPACE`. ``history_moments`` (default
+    :data:`~inshrink_store.policy.moments.ROLLBACK_MOMENTS`) replaces the default ``optimizer``
+    for versions a restart never loads as stored (:meth:`for_history`; the Checkpointer with
+    ``exact_resume`` >= 1), whose moments serve rollbacks only; None keeps ``optimizer``.
 
     ``allocation_ratios`` (e.g. :data:`~inshrink_store.policy.allocation.RATIOS`) searches
     per-tensor allocations instead of the configuration cube: the one knob is the target
@@ -148,6 +157,7 @@ class SearchPolicy:
     allocation_ratios: tuple[float, ...] | None = None
     max_evals: int | tuple[int, int] | None = MAX_EVALS
     max_seconds: float | None = None
+    history_moments: MomentPolicy | None = ROLLBACK_MOMENTS
 
     def __post_init__(self) -> None:
         evals = self.max_evals
@@ -182,6 +192,8 @@ class SearchPolicy:
              self.higher_is_better),
             (isinstance(self.space, SearchSpace), "space a SearchSpace", self.space),
             (isinstance(self.resume_space, SearchSpace), "resume_space a SearchSpace", self.resume_space),
+            (self.history_moments is None or isinstance(self.history_moments, MomentPolicy),
+             "history_moments a MomentPolicy or None (optimizer for every version)", self.history_moments),
             (isinstance(self.base, QuantConfig), "base a QuantConfig", self.base),
             (self.optimizer is None or (not isinstance(self.optimizer, str)
                                         and callable(getattr(self.optimizer, "plan", None))),
@@ -222,6 +234,17 @@ class SearchPolicy:
         """This policy searching ``resume_space``: for versions that a restart loads as
         stored (no restore residual), which must survive being resumed many times."""
         return dataclasses.replace(self, space=self.resume_space, allocation_ratios=None)
+
+    def for_history(self) -> SearchPolicy:
+        """This policy for versions a restart never loads as stored (the Checkpointer with
+        ``exact_resume`` >= 1: the newest version resumes bit-exact from its restore residual,
+        so stored moments serve rollbacks only): ``optimizer`` becomes ``history_moments``
+        when it is the default :class:`MomentPolicy` (a policy of your own is kept; ``history_moments=None``
+        keeps the default's strict guard too)."""
+        if self.history_moments is None or not isinstance(self.optimizer, MomentPolicy) \
+                or self.optimizer != DEFAULT_MOMENTS:
+            return self
+        return dataclasses.replace(self, optimizer=self.history_moments)
 
     def within(self, quality: float, baseline: float) -> bool:
         """Quality within ``tolerance`` (relative) of the baseline, in the better direction."""

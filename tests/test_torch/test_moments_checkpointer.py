@@ -13,7 +13,14 @@ torch = pytest.importorskip("torch")
 
 import inshrink_store as ins  # noqa: E402
 from inshrink_store.policy import QuantConfig, SearchPolicy  # noqa: E402
-from inshrink_store.policy.moments import AdamHyper, MomentPolicy, MomentRecord, compare, update  # noqa: E402
+from inshrink_store.policy.moments import (  # noqa: E402
+    ROLLBACK_MOMENTS,
+    AdamHyper,
+    MomentPolicy,
+    MomentRecord,
+    compare,
+    update,
+)
 from inshrink_store.torch import Checkpointer  # noqa: E402
 from tests.test_torch._lossy import SaysLossy  # noqa: E402
 
@@ -238,3 +245,29 @@ def test_adamw_amsgrad_restores_with_max_exp_avg_sq_exact_and_trains(url: str) -
     resumed = _train(model2, opt2, 20)
     assert torch.isfinite(torch.tensor(resumed))
     assert abs(resumed - reference) <= 0.1 * abs(reference), (resumed, reference)
+
+
+def test_with_exact_resume_the_default_moments_are_stored_for_rollbacks(url: str) -> None:
+    """exact_resume >= 1: a restart resumes bit-exact from the newest version's residual, so
+    the stored moments serve rollbacks only and the default MomentPolicy gives way to
+    ROLLBACK_MOMENTS (the looser guard). exact_resume=0 restores the stored moments and keeps
+    the strict one; so do history_moments=None and a moment policy of your own. The resume
+    stays bit-exact."""
+    model = _model(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, 25)
+    live = _clone_state(opt)
+    repo = ins.open(url, create=True)
+    custom = MomentPolicy(exp_avg_bins=8, exp_avg_sq_bins=8, prune=0.1)
+    cases = [(1, SearchPolicy(), ROLLBACK_MOMENTS), (0, SearchPolicy(), MomentPolicy()),
+             (1, SearchPolicy(history_moments=None), MomentPolicy()), (1, SearchPolicy(optimizer=custom), custom)]
+    for n, (exact, policy, expected) in enumerate(cases):
+        info = _checkpointer(repo, model, opt, exact_resume=exact, policy=policy, branch=f"case-{n}").save(25)
+        assert MomentRecord.from_dict(info.metadata["moments"]).policy == expected, (exact, policy)
+    assert ROLLBACK_MOMENTS.min_update_cosine < MomentPolicy().min_update_cosine
+    model2 = _model(seed=99)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
+    ck = _checkpointer(repo, model2, opt2, exact_resume=1, branch="case-0")
+    ck.restore()
+    assert ck.restored_exact
+    _assert_state_equal(_clone_state(opt2), live)
