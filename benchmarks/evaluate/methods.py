@@ -27,7 +27,7 @@ from benchmarks.evaluate.state import Captured, capture, load, load_weights
 from benchmarks.evaluate.workloads import Workload
 from inshrink_store.codecs.vdelta import VDelta
 from inshrink_store.policy import SearchPolicy
-from inshrink_store.policy.moments import DEFAULT_MOMENTS, MomentPolicy
+from inshrink_store.policy.moments import DEFAULT_MOMENTS, ROLLBACK_MOMENTS, MomentPolicy
 from inshrink_store.policy.search import SearchSpace
 from inshrink_store.torch import Checkpointer, save_state
 
@@ -103,11 +103,13 @@ class Ours:
     #: with exact resume: after the run, restore the version at this fraction of the run lossy
     #: and train on (:mod:`benchmarks.evaluate.rollback`); 0: no rollback check
     rollback_at: float = 0.0
+    #: the moments of versions a restart never loads as stored (None: ``moments`` for every version)
+    history_moments: MomentPolicy | None = ROLLBACK_MOMENTS
 
     def policy(self, tolerance: float, higher_is_better: bool) -> SearchPolicy:
         resume = {"resume_space": self.space} if self.paper_space else {}
         return SearchPolicy(tolerance=tolerance, higher_is_better=higher_is_better, space=self.space,
-                            optimizer=self.moments, **resume)
+                            optimizer=self.moments, history_moments=self.history_moments, **resume)
 
     def begin(self, workload: Workload, tolerance: float, workdir: Path) -> OursRun:
         return OursRun(self, workload, tolerance, str(workdir / self.key))

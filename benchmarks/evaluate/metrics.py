@@ -27,6 +27,14 @@ def ratios(usage: dict[str, Any]) -> dict[str, float]:
             "disk": logical / max(stored + usage.get("residual", 0), 1)}
 
 
+def residual_fraction(usage: dict[str, Any]) -> float:
+    """The restore residual on disk as a fraction of one raw version of the whole state (the
+    price of a bit-exact restart, paid once): with the history's ratio H, N versions take
+    N / (N / H + this) of their raw bytes' ratio on disk."""
+    versions = usage.get("versions") or []
+    return usage.get("residual", 0) / max(versions[-1]["logical"], 1) if versions else 0.0
+
+
 def metadata_share(usage: dict[str, Any]) -> float:
     """The share of the stored history that is metadata (per-array documents), not values."""
     return _sum(usage, "stored_metadata") / max(_sum(usage, "stored"), 1)

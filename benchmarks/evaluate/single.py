@@ -15,7 +15,8 @@ tensors: Adam's moments and step counters) beside the weights and the history.
 Methods: the keys of :data:`benchmarks.evaluate.plan.MAIN` plus ``ours-closed`` (the default with
 closed-loop moments, ``MomentPolicy(closed_loop=True)``, opt-in), ``ours-open`` (the default with
 ``MomentPolicy(min_numel=4096)``: the moments as they were stored before ``min_numel`` 1024) and
-``ours-loose`` (closed-loop moments with the guard loosened to :data:`LOOSE_MOMENTS`).
+``ours-loose`` (closed-loop moments with the guard loosened to :data:`LOOSE_MOMENTS`), ``ours-strict`` (every
+version's moments under the strict guard a lossy resume keeps: ``history_moments=None``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def methods(rollback_at: float = 0.0) -> dict[str, Any]:
                               moments=MomentPolicy(closed_loop=True), rollback_at=rollback_at)
     out["ours-open"] = Ours("ours-open", "ours, open-loop moments, min_numel 4096 (before this release)",
                             moments=MomentPolicy(closed_loop=False, min_numel=4096), rollback_at=rollback_at)
+    out["ours-strict"] = Ours("ours-strict", "ours, moments under the strict guard (history_moments=None)",
+                              history_moments=None, rollback_at=rollback_at)
     out["ours-loose"] = Ours("ours-loose", "ours, closed-loop moments guarded at cosine 0.8 / error 0.6",
                              moments=LOOSE_MOMENTS, rollback_at=rollback_at)
     return out
