@@ -176,8 +176,9 @@ def rollback_lines(results: dict[str, Any]) -> list[str]:
             "column drops Adam's state after the same restore (a checkpoint without moments); change of the "
             "final quality, positive when worse (`benchmarks/evaluate/rollback.py`). Dropping the moments "
             "costs little next to restoring lossy weights, so with exact resume the moments are stored "
-            "for rollbacks: a looser guard (update cosine 0.8, error 0.6) and a first attempt at 8 levels "
-            "with 60 % of m pruned (`SearchPolicy.history_moments`, default `ROLLBACK_MOMENTS`). With the "
+            "for rollbacks: a looser guard (update cosine 0.8, error 0.6), first attempts at 8 levels with 80 % "
+            "then 60 % of m pruned, and moments from 64 elements up (`SearchPolicy.history_moments`, "
+            "default `ROLLBACK_MOMENTS`). With the "
             "strict guard a lossy resume keeps (cosine 0.95, error 0.3) the same rollbacks changed the final "
             "quality +0.09 % (CNN, loss) / +1.28 % / +1.75 %, at 17.9× / 9.9× / 10.1× on the moments "
             "(`python -m benchmarks.evaluate.single NAME --methods ours,ours-strict --rollback-at 0.5`).", "",
@@ -229,11 +230,11 @@ def why(results: dict[str, Any]) -> list[str]:
         "written in the fewest digits that name its float32 centres (it was two fifths of these documents "
         "before). Fewer arrays for the small tensors (one per Adam moment and step counter today) is what "
         "would lift the small models' whole-state figures further.",
-        "- **Small tensors and moments.** Tensors under 4096 elements (biases, norms, the LM's position "
+        "- **Small tensors and moments.** Weights under 4096 elements (biases, norms, the LM's position "
         "table) stay lossless; Adam's two moments are two thirds of the state and are guarded by the "
         "update they drive, so they compress less than the weights. With exact resume they serve "
-        "rollbacks only, and are stored with the looser guard the rollback check below supports "
-        "(`SearchPolicy.history_moments`).",
+        "rollbacks only, and are stored with the looser guard the rollback check below supports, from "
+        "64 elements up (`SearchPolicy.history_moments`).",
     ]
     if lossless:
         out.append(
