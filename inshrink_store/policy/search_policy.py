@@ -65,8 +65,8 @@ class PolicyArgs(TypedDict, total=False):
 #: live weights), and the damage no longer adds up: after 10 restores at tolerance 1 % the
 #: digits MLP and a character LM end +0.73 % / +0.81 % with this space (+2.39 % / -0.93 %
 #: with the default space, -0.06 % / +0.08 % with 256 levels; ``python -m benchmarks
-#: fault_tolerance --sweep``), and the evaluation's three workloads at tolerance 5 % +0.25 %
-#: (accuracy) / -0.54 % / +0.16 %, whole state 17.1x / 8.7x / 11.8x against 9.4x / 5.4x / 7.1x
+#: fault_tolerance --sweep``), and the evaluation's three workloads at tolerance 5 % -0.25 %
+#: (accuracy) / -0.54 % / +0.16 %, whole state 16.7x / 8.7x / 11.8x against 9.4x / 5.4x / 7.1x
 #: at 256 levels (docs/guides/what-you-get-back.md).
 RESUME_SPACE = SearchSpace(bins=(64, 32, 16), prune=(0.0, 0.2, 0.4), metrics=("magnitude",), protect=(0.005,))
 
