@@ -63,7 +63,7 @@ class PolicyArgs(TypedDict, total=False):
 #: space's 4-32 levels, +24 % at 16, -0.1 % at 256), so this space was 256 levels, nothing
 #: pruned. Versions are closed-loop residuals now (each within one residual's error of the
 #: live weights), and the damage no longer adds up: after 10 restores at tolerance 1 % the
-#: digits MLP and a character LM end +0.73 % / +0.81 % with this space (+2.39 % / -0.93 %
+#: digits MLP and a character LM end -0.31 % / +0.81 % with this space (+3.58 % / -0.93 %
 #: with the default space, -0.06 % / +0.08 % with 256 levels; ``python -m benchmarks
 #: fault_tolerance --sweep``), and the evaluation's three workloads at tolerance 5 % -0.25 %
 #: (accuracy) / -0.54 % / +0.16 %, whole state 16.7x / 8.7x / 11.8x against 9.4x / 5.4x / 7.1x
