@@ -271,3 +271,12 @@ def test_with_exact_resume_the_default_moments_are_stored_for_rollbacks(url: str
     ck.restore()
     assert ck.restored_exact
     _assert_state_equal(_clone_state(opt2), live)
+
+
+def test_history_moments_is_checked_and_only_replaces_the_default() -> None:
+    with pytest.raises(ins.FormatError, match="history_moments"):
+        SearchPolicy(history_moments="loose")  # type: ignore[arg-type]
+    assert SearchPolicy().for_history().optimizer == ROLLBACK_MOMENTS
+    assert SearchPolicy(optimizer="compressed").for_history().optimizer == ROLLBACK_MOMENTS
+    assert SearchPolicy(optimizer="lossless").for_history().optimizer is None  # lossless stays lossless
+    assert SearchPolicy().resuming().optimizer == MomentPolicy()  # a lossy resume keeps the strict guard
