@@ -15,6 +15,7 @@ tensors: Adam's moments and step counters) beside the weights and the history.
 Methods: the keys of :data:`benchmarks.evaluate.plan.MAIN` plus ``ours-closed`` (the default with
 closed-loop moments, ``MomentPolicy(closed_loop=True)``, opt-in), ``ours-open`` (the default with
 ``MomentPolicy(min_numel=4096)``: the moments as they were stored before ``min_numel`` 1024) and
+``ours-history-closed`` (the default's history moments, :data:`ROLLBACK_MOMENTS`, closed loop),
 ``ours-loose`` (closed-loop moments with the guard loosened to :data:`LOOSE_MOMENTS`), ``ours-strict`` (every
 version's moments under the strict guard a lossy resume keeps: ``history_moments=None``).
 """
@@ -33,7 +34,7 @@ from benchmarks.evaluate.experiment import RunResult, run
 from benchmarks.evaluate.methods import Ours
 from benchmarks.evaluate.plan import FAILURES, MAIN, TOLERANCE
 from benchmarks.evaluate.workloads import Workload, cnn, lm, transfer
-from inshrink_store.policy.moments import MomentPolicy
+from inshrink_store.policy.moments import ROLLBACK_MOMENTS, MomentPolicy
 
 #: a looser guard on the moments (the default: cosine 0.95, error 0.3): with an exact resume the
 #: moments' stored values serve only rollbacks, which :mod:`benchmarks.evaluate.rollback` checks
@@ -50,6 +51,9 @@ def methods(rollback_at: float = 0.0) -> dict[str, Any]:
                             moments=MomentPolicy(closed_loop=False, min_numel=4096), rollback_at=rollback_at)
     out["ours-strict"] = Ours("ours-strict", "ours, moments under the strict guard (history_moments=None)",
                               history_moments=None, rollback_at=rollback_at)
+    out["ours-history-closed"] = Ours("ours-history-closed", "ours, closed-loop history moments (opt-in)",
+                                      history_moments=dataclasses.replace(ROLLBACK_MOMENTS, closed_loop=True),
+                                      rollback_at=rollback_at)
     out["ours-loose"] = Ours("ours-loose", "ours, closed-loop moments guarded at cosine 0.8 / error 0.6",
                              moments=LOOSE_MOMENTS, rollback_at=rollback_at)
     return out

@@ -203,8 +203,9 @@ class SaveDecider:
 
     @property
     def moments_closed_loop(self) -> bool:
-        """Adam's moments coded against the parent's stored values (opt-in on the MomentPolicy)."""
-        moments = self.policy.optimizer
+        """Adam's moments coded against the parent's stored values (opt-in on the MomentPolicy
+        the save uses: with exact resume, ``history_moments``, see :meth:`moment_policy`)."""
+        moments = self.moment_policy()
         return self.closed_loop and isinstance(moments, MomentPolicy) and moments.closed_loop
 
     def unsearched(self) -> QuantizationRecord:
@@ -287,6 +288,11 @@ class SaveDecider:
         if loop is not None and decision.plans is not None:
             plans = loop.plans(decision.plans, arrays)
         return decision, plans, evaluate
+
+    def moment_policy(self) -> Any:
+        """The optimizer policy this save stores the moments with (a :class:`MomentPolicy`,
+        'lossless', 'compressed' or None): the resume space's, else the history's."""
+        return (self.policy.resuming() if self.resume_space else self.policy.for_history()).optimizer
 
     def search_policy(self, residual: bool) -> SearchPolicy:
         """The policy a search runs with: the resume space when a restart loads what is stored,

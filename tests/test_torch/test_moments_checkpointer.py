@@ -3,6 +3,7 @@ original, the live optimizer is never touched, and anything not Adam-shaped stay
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -280,3 +281,27 @@ def test_history_moments_is_checked_and_only_replaces_the_default() -> None:
     assert SearchPolicy(optimizer="compressed").for_history().optimizer == ROLLBACK_MOMENTS
     assert SearchPolicy(optimizer="lossless").for_history().optimizer is None  # lossless stays lossless
     assert SearchPolicy().resuming().optimizer == MomentPolicy()  # a lossy resume keeps the strict guard
+
+
+def test_closed_loop_history_moments_are_coded_against_the_parent(url: str) -> None:
+    """``history_moments`` with ``closed_loop=True`` is what the saves of an exact-resume run
+    use: the second version's moments are closed-loop arrays (their record says how each was
+    coded, a residual or a keyframe), where the default policy's ``closed_loop=False`` had
+    been consulted instead and the opt-in was silently ignored."""
+    model = _model(seed=5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    repo = ins.open(url, create=True)
+    policy = SearchPolicy(history_moments=dataclasses.replace(ROLLBACK_MOMENTS, closed_loop=True))
+    ck = _checkpointer(repo, model, opt, exact_resume=1, policy=policy)
+    for step in (20, 40):
+        _train(model, opt, 20)
+        info = ck.save(step)
+    record = MomentRecord.from_dict(info.metadata["moments"])
+    assert record.policy is not None and record.policy.closed_loop
+    quantized = {p: r for p, r in record.tensors.items() if r.storage == "quantized"}
+    assert quantized and all(r.exp_avg_sq_coding in ("keyframe", "residual", "unchanged") for r in quantized.values())
+    reader = repo.checkout(info.id)
+    for prefix in quantized:
+        assert reader.arrays()[f"{prefix}/exp_avg_sq"].attributes["coding"] == "closed-loop"
+    plain = _checkpointer(repo, model, opt, exact_resume=1, branch="open").save(40)
+    assert all(r.exp_avg_sq_coding is None for r in MomentRecord.from_dict(plain.metadata["moments"]).tensors.values())
