@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrink_store as ins
-from inshrink_store import cas, index, object_format
+from inshrink_store import cas, index, manifest, object_format
 from inshrink_store.codecs import _payload
 from inshrink_store.zarr_store import tree_path
 
@@ -132,9 +133,17 @@ def test_corrupted_tree(tree_files: None, repo: ins.Repository) -> None:
     np.testing.assert_array_equal(_fresh(repo).checkout("main~1").read("w"), _state(1)["w"])
 
 
-def test_corrupted_snapshot_document(repo: ins.Repository) -> None:
+def _edited_snapshot(data: bytes, stored_plain: bool) -> bytes:
+    """A snapshot's stored bytes (a zstd frame) with its message changed, stored again as a
+    frame or as the plain JSON a snapshot written before frames was."""
+    text = zstandard.ZstdDecompressor().decompress(bytes(data)).replace(b'"v1"', b'"v9"')
+    return text if stored_plain else manifest.pack_tree(text, manifest.SNAPSHOT_ZSTD_LEVEL)
+
+
+@pytest.mark.parametrize("stored_plain", [False, True], ids=["frame", "plain-json"])
+def test_corrupted_snapshot_document(repo: ins.Repository, stored_plain: bool) -> None:
     sid = repo.resolve("main~1")
-    _rewrite(repo, f"snapshots/{sid}", lambda data: bytes(data).replace(b'"v1"', b'"v9"'))
+    _rewrite(repo, f"snapshots/{sid}", lambda data: _edited_snapshot(data, stored_plain))
     fresh = _fresh(repo)
     with pytest.raises(ins.IntegrityError, match=sid):
         fresh.checkout(sid)
