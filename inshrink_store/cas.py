@@ -61,12 +61,22 @@ log = logging.getLogger(__name__)
 #: what a chain decoded in byte planes gives: bytes (:meth:`ObjectStore.get`) or an array (:meth:`ObjectStore.take`)
 _Payload = TypeVar("_Payload", bytes, np.ndarray)
 
-#: raw float chunks smaller than this are always stored whole, never tried against the parent's
-#: chunk. Why: trying costs two reads of the base object, decoding it and a second coding pass
-#: (about 0.2 ms per chunk here, 10-15 % of a save of thousands of small tensors), and on
-#: biases and norms of a few KiB the XOR planes never came out clearly smaller (the demo's and
-#: the training benchmark's stored bytes are identical with and without the attempt)
+#: raw float chunks smaller than this are tried against the parent's chunk only when this
+#: object store holds the parent's payload already (:data:`RECENT_FLOATS_BYTES`: it wrote it),
+#: never read for it. Why: reading costs two reads of the base object and decoding it (about
+#: 0.2 ms per chunk here, 10-15 % of a save of thousands of small tensors, and a request each
+#: on object storage), for little: on the demo's biases the XOR planes never came out clearly
+#: smaller. Where they do (the evaluation's CNN: its first convolution, 288 weights, and its
+#: classifier, 2,560, change little between versions), coding against a payload at hand costs
+#: a second coding pass of a few KiB: the CNN's small lossless weights went from 258 to 183 KB
+#: over 23 versions
 FLOAT_DELTA_MIN = 16 << 10
+#: the small raw-float payloads (under :data:`FLOAT_DELTA_MIN`) an object store keeps, with
+#: their chain depth, after writing them: the next version's chunk of the same tensor is tried
+#: as a delta against one of them without a read. A training process saves the same small
+#: tensors every version, so this holds at most a version of them (a model with 10,000 biases
+#: of 4 KiB: 40 MiB); after a restart the first version's are keyframes
+RECENT_FLOATS_BYTES = 64 << 20
 #: set to 1 to decode raw-float objects too before they are stored and compare them with the
 #: payload they were meant to hold (quantized ones always are); on in the test suite and in CI
 VERIFY_WRITES_ENV = "INSHRINK_VERIFY_WRITES"
@@ -102,7 +112,10 @@ class ObjectStore:
             raise FormatError(f"Expected keyframe_interval >= 1. Got {keyframe_interval} instead.")
         self.storage = storage
         self.keyframe_interval = keyframe_interval
-        self._cache = ByteBoundedLRU(cache_bytes)
+        self._cache: ByteBoundedLRU[bytes] = ByteBoundedLRU(cache_bytes, len)
+        #: oid -> (payload, depth) of small raw-float chunks written here (see FLOAT_DELTA_MIN)
+        self._recent_floats: ByteBoundedLRU[tuple[bytes, int]] = ByteBoundedLRU(
+            RECENT_FLOATS_BYTES, lambda item: len(item[0]))
         self._delta = VDelta()
 
     def __getstate__(self) -> dict[str, object]:
@@ -148,6 +161,8 @@ class ObjectStore:
                     "wrote to the tensor); nothing was stored for it. Save a copy, or wait for the "
                     "save before changing the tensor.")
             self.storage.write(object_path(oid), stored)
+            if len(view) < FLOAT_DELTA_MIN:
+                self._recent_floats.put(oid, (bytes(view), parse_header(oid, stored[:HEADER_SIZE]).depth))
             return PutResult(oid, len(stored), stored[4])
         payload = bytes(payload)
         oid = content_id(payload)
@@ -223,7 +238,7 @@ class ObjectStore:
             header.is_delta and header.coder == CODER_NONE)
         if not (quantized or verify_writes()):
             return
-        base = None if header.base is None else self.get(header.base)
+        base = None if header.base is None else self._base_payload(header.base)
         try:
             decoded = decode_body(oid, header, checked_body(oid, header, stored), base, self._delta)
         except IntegrityError as exc:
@@ -278,9 +293,15 @@ class ObjectStore:
     def _float_base(self, payload: memoryview, base: str | None) -> tuple[bytes | None, int]:
         """(the base's payload, its depth) when raw floats can be coded against object
         ``base``: another object of the same size whose chain stays under the keyframe
-        interval; (None, 0) otherwise (a keyframe is always correct)."""
-        if base is None or len(payload) < FLOAT_DELTA_MIN or base == content_id(payload):
+        interval; (None, 0) otherwise (a keyframe is always correct). A payload under
+        :data:`FLOAT_DELTA_MIN` only against a base this store wrote (nothing is read)."""
+        if base is None or base == content_id(payload):
             return None, 0
+        if len(payload) < FLOAT_DELTA_MIN:
+            recent = self._recent_floats.get(base)
+            if recent is None or recent[1] + 1 >= self.keyframe_interval or len(recent[0]) != len(payload):
+                return None, 0
+            return recent
         try:
             base_header = self.header(base)
             if base_header.depth + 1 >= self.keyframe_interval or base_header.logical_length != len(payload):
@@ -288,6 +309,12 @@ class ObjectStore:
             return self.get(base), base_header.depth
         except (FormatError, NotFoundError, IntegrityError):
             return None, 0  # an unreadable base
+
+    def _base_payload(self, oid: str) -> bytes:
+        """A delta base's payload: the one this store wrote, when it is a small float chunk
+        still at hand (its id is its hash, so it is the stored one), else :meth:`get`."""
+        recent = self._recent_floats.get(oid)
+        return recent[0] if recent is not None else self.get(oid)
 
     # -- reading ---------------------------------------------------------------------
     def read_stored(self, oid: str) -> bytes:

@@ -144,25 +144,60 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
         assert header.base == base_id
 
 
-def test_small_chunks_are_stored_whole_without_reading_their_base() -> None:
-    """Under FLOAT_DELTA_MIN a chunk is a keyframe, and the parent's object is not read (the
-    attempt cost two reads and a decode per small tensor, and never paid); at the size it
-    is tried again."""
+def _counting_reads(storage: object) -> list[str]:
+    """Every path ``storage`` reads from now on (whole or a range)."""
+    reads: list[str] = []
+    original = (storage.read, storage.read_range)  # type: ignore[attr-defined]
+    storage.read = lambda path, _r=original[0], _s=reads: _s.append(path) or _r(path)  # type: ignore[attr-defined]
+    storage.read_range = (  # type: ignore[attr-defined]
+        lambda path, start, end, _r=original[1], _s=reads: _s.append(path) or _r(path, start, end))
+    return reads
+
+
+def test_small_chunks_delta_only_against_a_base_this_store_wrote_and_never_read_it() -> None:
+    """Under FLOAT_DELTA_MIN a chunk is tried against its parent's chunk only when this
+    object store wrote that chunk (its payload and depth are at hand): then it is a delta, and
+    nothing is read. Another store (a restarted process) stores it whole, also without a read
+    (a read costs two requests and a decode per small tensor). At the size a base is read."""
     below = cas.FLOAT_DELTA_MIN // 4 - 1
-    for n, expect_delta in ((below, False), (cas.FLOAT_DELTA_MIN // 4, True)):
-        w = _training_like(2, shape=(n,))
-        objects = cas.ObjectStore(open_storage(_url()))
-        base_id = objects.put(w[0].tobytes(), element="float32").oid
-        reads: list[str] = []
-        storage = objects.storage
-        original = (storage.read, storage.read_range)
-        storage.read = lambda path, _r=original[0], _s=reads: _s.append(path) or _r(path)  # type: ignore[method-assign]
-        storage.read_range = (  # type: ignore[method-assign]
-            lambda path, start, end, _r=original[1], _s=reads: _s.append(path) or _r(path, start, end))
-        put = objects.put(w[1].tobytes(), base=base_id, element="float32")
-        header = cas.ObjectStore(storage).header(put.oid)
-        assert header.is_delta is expect_delta
-        assert (object_path(base_id) in reads) is expect_delta
+    w = _training_like(3, shape=(below,))
+    storage = open_storage(_url())
+    writer = cas.ObjectStore(storage)
+    base_id = writer.put(w[0].tobytes(), element="float32").oid
+    reads = _counting_reads(storage)
+    put = writer.put(w[1].tobytes(), base=base_id, element="float32")
+    assert reads == []  # the write check (on in the tests) decodes against the payload at hand
+    header = cas.ObjectStore(storage).header(put.oid)
+    assert header.is_delta and header.base == base_id and header.depth == 1
+    restarted = cas.ObjectStore(storage)
+    reads.clear()
+    again = restarted.put(w[2].tobytes(), base=put.oid, element="float32")
+    assert reads == []
+    assert not cas.ObjectStore(storage).header(again.oid).is_delta
+    assert cas.ObjectStore(storage).get(put.oid) == w[1].tobytes()  # decoded from what is stored
+
+    at = _training_like(2, shape=(cas.FLOAT_DELTA_MIN // 4,))
+    fresh = cas.ObjectStore(open_storage(_url()))
+    big_base = fresh.put(at[0].tobytes(), element="float32").oid
+    reader = cas.ObjectStore(fresh.storage)
+    big_reads = _counting_reads(fresh.storage)
+    big = reader.put(at[1].tobytes(), base=big_base, element="float32")
+    assert cas.ObjectStore(fresh.storage).header(big.oid).is_delta and object_path(big_base) in big_reads
+
+
+def test_small_chunk_chains_end_at_the_keyframe_interval() -> None:
+    """A small chunk's delta chain restarts with a keyframe at the interval, as a large one's:
+    the depth kept with each payload this store wrote decides it."""
+    w = _training_like(7, shape=(512,))
+    objects = cas.ObjectStore(open_storage(_url()), keyframe_interval=3)
+    base = None
+    depths = []
+    for version in w:
+        base = objects.put(version.tobytes(), base=base, element="float32").oid
+        depths.append(cas.ObjectStore(objects.storage).header(base).depth)
+    assert depths == [0, 1, 2, 0, 1, 2, 0]
+    fresh = cas.ObjectStore(objects.storage)
+    assert [fresh.get(objects.put(v.tobytes(), element="float32").oid) for v in w] == [v.tobytes() for v in w]
 
 
 def test_a_payload_that_is_not_whole_elements_is_refused() -> None:
