@@ -149,7 +149,7 @@ def _du_totals(summary: Any) -> Table:
     for label, n in ((f"versions of {summary.ref} (new stored above)", summary.versions),
                      ("delta bases no row counts (kept deltas need them)", summary.delta_bases),
                      ("other refs (branches, tags, older ref files)", summary.other_refs),
-                     ("documents and refs (snapshots, settings, leases)", summary.metadata),
+                     ("documents and refs (other versions' snapshots, ref files, settings, leases)", summary.metadata),
                      ("unreferenced (the next gc deletes it)", summary.unreferenced),
                      ("total under the store", summary.total)):
         _row(table, label, _size(n))

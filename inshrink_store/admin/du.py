@@ -87,13 +87,14 @@ class DuSummary:
     collect were nowhere, and du reported less than the store held."""
 
     ref: str
-    #: the rows' ``new_stored_bytes``: trees, chunks and residuals of ``ref``'s history
+    #: the rows' ``new_stored_bytes``: snapshot documents, trees, chunks and residuals of
+    #: ``ref``'s history
     versions: int
     #: delta bases the rows' deltas need that no row counts (a deleted version's keyframe)
     delta_bases: int
     #: trees, objects and residuals only other branches, tags or older ref files keep
     other_refs: int
-    #: snapshot documents of kept versions, ref files, settings and leases
+    #: snapshot documents of kept versions outside ``ref``'s history, ref files, settings and leases
     metadata: int
     #: what no ref reaches, which the next ``gc`` deletes, and temp files of interrupted writes
     unreferenced: int
@@ -251,10 +252,11 @@ def _walk(parts: StoreParts, ref: str, prefix: str, sizes: dict[str, int]) -> _W
     for info in history:
         reader = parts.reader(info)
         new_bytes = new_objects = deltas = 0
-        for tid in [info.root, *reader.index.root.nodes.values()]:
-            if tree_path(tid) not in seen and not prefix:
-                seen.add(tree_path(tid))
-                new_bytes += sizes.get(tree_path(tid), 0)
+        # the version's documents: its snapshot (the Checkpointer's records: 1-2 KB) and trees
+        for path in [snapshot_path(info.id), *(tree_path(t) for t in [info.root, *reader.index.root.nodes.values()])]:
+            if path not in seen and not prefix:
+                seen.add(path)
+                new_bytes += sizes.get(path, 0)
         arrays = [a for p, a in reader.arrays().items() if p.startswith(prefix)]
         for array in arrays:
             for oid in array.chunk_ids.values():

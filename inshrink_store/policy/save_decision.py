@@ -53,7 +53,7 @@ from inshrink_store.policy.search import SearchPoint, SearchSpace
 from inshrink_store.policy.search_policy import Decision, SearchPolicy
 
 if TYPE_CHECKING:
-    from inshrink_store.plans import ArrayPlan
+    from inshrink_store.plans import ArrayPlan, Planner
 
 __all__ = ["RESIDUAL_SPACE", "Evaluator", "ParentSource", "ParentVersion", "SaveDecider", "SaveOutcome", "SaveRun",
            "SaveState"]
@@ -289,9 +289,10 @@ class SaveDecider:
             plans = loop.plans(decision.plans, arrays)
         return decision, plans, evaluate
 
-    def moment_policy(self) -> Any:
-        """The optimizer policy this save stores the moments with (a :class:`MomentPolicy`,
-        'lossless', 'compressed' or None): the resume space's, else the history's."""
+    def moment_policy(self) -> Planner | MomentPolicy | str | None:
+        """The optimizer policy this save stores the moments with (a :class:`MomentPolicy`, a
+        planner of the caller's, 'lossless', 'compressed' or None): the resume space's, else
+        the history's."""
         return (self.policy.resuming() if self.resume_space else self.policy.for_history()).optimizer
 
     def search_policy(self, residual: bool) -> SearchPolicy:

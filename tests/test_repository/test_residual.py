@@ -403,7 +403,7 @@ def test_du_counts_a_shared_residual_once(memory_url: str) -> None:
     _save_exact(repo, "F32", bits)  # same residual document, same pieces
     rows = repo.du()
     sizes = repo._storage.list("")
-    on_disk = sum(size for path, size in sizes.items() if path.startswith(("objects/", "trees/", "residuals/")))
+    on_disk = sum(size for path, size in sizes.items() if path.startswith(("objects/", "trees/", "residuals/", "snapshots/")))
     assert rows[-1].cumulative_stored_bytes == on_disk
     assert rows[1].residual_bytes == 0  # nothing of it is new
 
