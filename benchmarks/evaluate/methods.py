@@ -51,7 +51,8 @@ class Usage:
 
 def store_versions(repo: Any) -> list[VersionBytes]:
     """Every version's bytes from ``repo.du``: the restore residual left out (it is reported
-    apart), metadata = what no tensor prefix holds (trees: each array's zarr.json)."""
+    apart), metadata = what no tensor prefix holds (the version's snapshot document and trees:
+    each array's zarr.json)."""
     whole = repo.du()
     parts = {prefix: repo.du(prefix=prefix) for prefix in ("model/", "optimizer/", "extra/")}
     out = []

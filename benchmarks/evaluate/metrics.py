@@ -36,7 +36,7 @@ def residual_fraction(usage: dict[str, Any]) -> float:
 
 
 def metadata_share(usage: dict[str, Any]) -> float:
-    """The share of the stored history that is metadata (per-array documents), not values."""
+    """The share of the stored history that is documents (snapshots and zarr.json), not values."""
     return _sum(usage, "stored_metadata") / max(_sum(usage, "stored"), 1)
 
 

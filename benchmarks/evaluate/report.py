@@ -135,7 +135,7 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 def bytes_table(results: dict[str, Any]) -> list[str]:
     """Where the default store's bytes go."""
-    lines = ["| workload | weights | Adam moments and counters | per-array documents (metadata) | "
+    lines = ["| workload | weights | Adam moments and counters | documents (snapshots and zarr.json) | "
              "restore residual | whole state on disk |",
              "|---|---|---|---|---|---|"]
     for name, work in results["workloads"].items():
@@ -222,14 +222,16 @@ def why(results: dict[str, Any]) -> list[str]:
         + "). It exists for the newest version only, so its share falls as the run gets longer: it is "
         + ", ".join(f"{fraction[t]:.2f}" for t in d) + " of one raw version of the whole state, and with "
         "the history's ratio H, N versions are N / (N / H + that fraction) smaller on disk.",
-        "- **Per-array documents.** Every version writes, for each array that changed, its zarr.json "
-        "(the codebook, the codec chain, the shape) in a tree document, compact JSON stored as a zstd frame. "
-        "Every Adam moment and step counter is an array of its own; that is "
+        "- **Documents.** Every version writes its snapshot (the search's trials, one record per Adam "
+        "pair) and, for each array that changed, its zarr.json (the codebook, the codec chain, the shape) "
+        "in a tree document, each compact JSON stored as a zstd frame, and each counted in the version's "
+        "bytes. Every Adam moment and step counter is an array of its own; that is "
         + ", ".join(f"{v:.0%} ({t})" for t, v in meta.items()) + " of the default's stored history (table "
         "below): it weighs on small models, and its share falls as the model grows. Each codebook is "
-        "written in the fewest digits that name its float32 centres (it was two fifths of these documents "
-        "before). Fewer arrays for the small tensors (one per Adam moment and step counter today) is what "
-        "would lift the small models' whole-state figures further.",
+        "written in the fewest digits that name its float32 centres (it was two fifths of the zarr.json "
+        "text before), and a snapshot is a sixth of its JSON. Fewer arrays for the small tensors (one per "
+        "Adam moment and step counter today) is what would lift the small models' whole-state figures "
+        "further.",
         "- **Small tensors and moments.** Weights under 4096 elements (biases, norms, the LM's position "
         "table) stay lossless; Adam's two moments are two thirds of the state and are guarded by the "
         "update they drive, so they compress less than the weights. With exact resume they serve "
