@@ -7,6 +7,8 @@ shared under two names stays one tensor, and plain values are deep copies."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -104,13 +106,18 @@ def test_the_first_save_clones_on_the_device_and_allocates_the_arena_in_the_back
     assert torch.equal(again.wait()["w"], torch.arange(8.0) + 1.0)
 
 
+def _first_save(staging: HostStaging, state: Any) -> Any:
+    """What the first (not busy) save of ``state`` staged, waited for."""
+    first = staging.stage(state, busy=False)
+    assert first is not None
+    return first.wait()
+
+
 def test_a_busy_save_stages_on_the_device_when_there_is_room_and_says_so_when_there_is_none():
     device = FakeDevice()
     staging = HostStaging(_device=device)
     state = _loop_state()
-    first = staging.stage(state, busy=False)
-    assert first is not None
-    first.wait()
+    _first_save(staging, state)
     busy = staging.stage(state, busy=True)
     assert busy is not None and busy.mode == "device"
     device.room_bytes = 8 * 4 + 6 * 4 - 1  # one byte short of the clones
@@ -126,9 +133,7 @@ def test_a_busy_save_never_writes_the_buffers_the_running_save_reads():
     the next save is staged and the loop goes on; the queued one gets its own values."""
     staging = HostStaging(_device=FakeDevice())
     state = _loop_state()
-    first = staging.stage(state, busy=False)
-    assert first is not None
-    running = first.wait()
+    running = _first_save(staging, state)
     state["w"].add_(1.0)
     state["step"].add_(1)
     queued = staging.stage(state, busy=True)
