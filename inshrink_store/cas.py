@@ -63,7 +63,7 @@ _Payload = TypeVar("_Payload", bytes, np.ndarray)
 
 #: raw float chunks smaller than this are tried against the parent's chunk only when this
 #: object store holds the parent's payload already (:data:`RECENT_FLOATS_BYTES`: it wrote it),
-#: never read for it. Why: reading costs two reads of the base object and decoding it (about
+#: whose body is then never read. Why: reading costs two reads of the base object and decoding it (about
 #: 0.2 ms per chunk here, 10-15 % of a save of thousands of small tensors, and a request each
 #: on object storage), for little: on the demo's biases the XOR planes never came out clearly
 #: smaller. Where they do (the evaluation's CNN: its first convolution, 288 weights, and its
@@ -71,9 +71,10 @@ _Payload = TypeVar("_Payload", bytes, np.ndarray)
 #: a second coding pass of a few KiB: the CNN's small lossless weights went from 258 to 183 KB
 #: over 23 versions
 FLOAT_DELTA_MIN = 16 << 10
-#: the small raw-float payloads (under :data:`FLOAT_DELTA_MIN`) an object store keeps, with
-#: their chain depth, after writing them: the next version's chunk of the same tensor is tried
-#: as a delta against one of them without a read. A training process saves the same small
+#: the small raw-float payloads (under :data:`FLOAT_DELTA_MIN`) an object store keeps after
+#: writing them: the next version's chunk of the same tensor is tried as a delta against one of
+#: them, reading only the base's 40-byte header (its chain depth, as stored: another writer may
+#: have stored the same content since). A training process saves the same small
 #: tensors every version, so this holds at most a version of them (a model with 10,000 biases
 #: of 4 KiB: 40 MiB); after a restart the first version's are keyframes
 RECENT_FLOATS_BYTES = 64 << 20
@@ -112,10 +113,9 @@ class ObjectStore:
             raise FormatError(f"Expected keyframe_interval >= 1. Got {keyframe_interval} instead.")
         self.storage = storage
         self.keyframe_interval = keyframe_interval
-        self._cache: ByteBoundedLRU[bytes] = ByteBoundedLRU(cache_bytes, len)
-        #: oid -> (payload, depth) of small raw-float chunks written here (see FLOAT_DELTA_MIN)
-        self._recent_floats: ByteBoundedLRU[tuple[bytes, int]] = ByteBoundedLRU(
-            RECENT_FLOATS_BYTES, lambda item: len(item[0]))
+        self._cache = ByteBoundedLRU(cache_bytes)
+        #: oid -> payload of the small raw-float chunks written here (see FLOAT_DELTA_MIN)
+        self._recent_floats = ByteBoundedLRU(RECENT_FLOATS_BYTES)
         self._delta = VDelta()
 
     def __getstate__(self) -> dict[str, object]:
@@ -162,7 +162,7 @@ class ObjectStore:
                     "save before changing the tensor.")
             self.storage.write(object_path(oid), stored)
             if len(view) < FLOAT_DELTA_MIN:
-                self._recent_floats.put(oid, (bytes(view), parse_header(oid, stored[:HEADER_SIZE]).depth))
+                self._recent_floats.put(oid, bytes(view))
             return PutResult(oid, len(stored), stored[4])
         payload = bytes(payload)
         oid = content_id(payload)
@@ -294,19 +294,21 @@ class ObjectStore:
         """(the base's payload, its depth) when raw floats can be coded against object
         ``base``: another object of the same size whose chain stays under the keyframe
         interval; (None, 0) otherwise (a keyframe is always correct). A payload under
-        :data:`FLOAT_DELTA_MIN` only against a base this store wrote (nothing is read)."""
+        :data:`FLOAT_DELTA_MIN` only against a base whose payload this store wrote and holds:
+        of the base only the header is read (its depth is the stored object's, whoever wrote
+        it last), never its body."""
         if base is None or base == content_id(payload):
             return None, 0
+        known = None
         if len(payload) < FLOAT_DELTA_MIN:
-            recent = self._recent_floats.get(base)
-            if recent is None or recent[1] + 1 >= self.keyframe_interval or len(recent[0]) != len(payload):
+            known = self._recent_floats.get(base)
+            if known is None:
                 return None, 0
-            return recent
         try:
             base_header = self.header(base)
             if base_header.depth + 1 >= self.keyframe_interval or base_header.logical_length != len(payload):
                 return None, 0
-            return self.get(base), base_header.depth
+            return (self.get(base) if known is None else known), base_header.depth
         except (FormatError, NotFoundError, IntegrityError):
             return None, 0  # an unreadable base
 
@@ -314,7 +316,7 @@ class ObjectStore:
         """A delta base's payload: the one this store wrote, when it is a small float chunk
         still at hand (its id is its hash, so it is the stored one), else :meth:`get`."""
         recent = self._recent_floats.get(oid)
-        return recent[0] if recent is not None else self.get(oid)
+        return recent if recent is not None else self.get(oid)
 
     # -- reading ---------------------------------------------------------------------
     def read_stored(self, oid: str) -> bytes:

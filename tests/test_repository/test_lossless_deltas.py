@@ -144,21 +144,22 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
         assert header.base == base_id
 
 
-def _counting_reads(storage: object) -> list[str]:
-    """Every path ``storage`` reads from now on (whole or a range)."""
-    reads: list[str] = []
+def _counting_reads(storage: object) -> list[tuple[str, str]]:
+    """Every read of ``storage`` from now on: ("whole", path) or ("range", path)."""
+    reads: list[tuple[str, str]] = []
     original = (storage.read, storage.read_range)  # type: ignore[attr-defined]
-    storage.read = lambda path, _r=original[0], _s=reads: _s.append(path) or _r(path)  # type: ignore[attr-defined]
+    storage.read = lambda path, _r=original[0], _s=reads: _s.append(("whole", path)) or _r(path)  # type: ignore[attr-defined]
     storage.read_range = (  # type: ignore[attr-defined]
-        lambda path, start, end, _r=original[1], _s=reads: _s.append(path) or _r(path, start, end))
+        lambda path, start, end, _r=original[1], _s=reads: _s.append(("range", path)) or _r(path, start, end))
     return reads
 
 
 def test_small_chunks_delta_only_against_a_base_this_store_wrote_and_never_read_it() -> None:
     """Under FLOAT_DELTA_MIN a chunk is tried against its parent's chunk only when this
-    object store wrote that chunk (its payload and depth are at hand): then it is a delta, and
-    nothing is read. Another store (a restarted process) stores it whole, also without a read
-    (a read costs two requests and a decode per small tensor). At the size a base is read."""
+    object store wrote that chunk (its payload is at hand): then it is a delta, and of the
+    base only its header is read (the stored object's depth). Another store (a restarted
+    process) stores it whole without a read (reading the base costs two requests and a decode
+    per small tensor). At the size a base is read whole."""
     below = cas.FLOAT_DELTA_MIN // 4 - 1
     w = _training_like(3, shape=(below,))
     storage = open_storage(_url())
@@ -166,7 +167,8 @@ def test_small_chunks_delta_only_against_a_base_this_store_wrote_and_never_read_
     base_id = writer.put(w[0].tobytes(), element="float32").oid
     reads = _counting_reads(storage)
     put = writer.put(w[1].tobytes(), base=base_id, element="float32")
-    assert reads == []  # the write check (on in the tests) decodes against the payload at hand
+    # its header, for the depth; the write check (on in the tests) decodes against the payload at hand
+    assert reads == [("range", object_path(base_id))]
     header = cas.ObjectStore(storage).header(put.oid)
     assert header.is_delta and header.base == base_id and header.depth == 1
     restarted = cas.ObjectStore(storage)
@@ -182,12 +184,11 @@ def test_small_chunks_delta_only_against_a_base_this_store_wrote_and_never_read_
     reader = cas.ObjectStore(fresh.storage)
     big_reads = _counting_reads(fresh.storage)
     big = reader.put(at[1].tobytes(), base=big_base, element="float32")
-    assert cas.ObjectStore(fresh.storage).header(big.oid).is_delta and object_path(big_base) in big_reads
+    assert cas.ObjectStore(fresh.storage).header(big.oid).is_delta and ("whole", object_path(big_base)) in big_reads
 
 
 def test_small_chunk_chains_end_at_the_keyframe_interval() -> None:
-    """A small chunk's delta chain restarts with a keyframe at the interval, as a large one's:
-    the depth kept with each payload this store wrote decides it."""
+    """A small chunk's delta chain restarts with a keyframe at the interval, as a large one's."""
     w = _training_like(7, shape=(512,))
     objects = cas.ObjectStore(open_storage(_url()), keyframe_interval=3)
     base = None
@@ -226,3 +227,27 @@ def test_a_tensor_changed_while_it_is_saved_is_refused_not_stored(monkeypatch: p
     with pytest.raises(ins.errors.InvalidInputError, match="unchanged while they are saved"):
         objects.put(memoryview(data).cast("B"), element="float32")
     assert objects.storage.list("objects/") == {}
+
+
+def test_a_small_delta_takes_the_depth_of_the_base_as_stored_not_as_written_here() -> None:
+    """The base's depth is read from the stored object: when the same content was stored
+    again by another writer (gc collected this store's copy, another chain wrote it), a delta
+    on it is one deeper than that object, so its chain reads back."""
+    w = _training_like(3, shape=(2048,))
+    storage = open_storage(_url())
+    mine = cas.ObjectStore(storage, keyframe_interval=8)
+    first = mine.put(w[0].tobytes(), element="float32").oid
+    second = mine.put(w[1].tobytes(), base=first, element="float32").oid  # depth 1 here
+    other = cas.ObjectStore(storage, keyframe_interval=8)
+    storage.delete(object_path(second))  # as a gc of an unreferenced copy would
+    chain = None
+    for version in _training_like(5, shape=(2048,), seed=7):  # another writer's chain, depth 4 below
+        chain = other.put(version.tobytes(), base=chain, element="float32").oid
+    stored = other._encode_floats(memoryview(w[1].tobytes()), chain, "float32")
+    storage.write(object_path(second), stored)  # the same content, stored as that chain's delta
+    depth = cas.ObjectStore(storage).header(second).depth
+    assert depth != 1
+    third = mine.put(w[2].tobytes(), base=second, element="float32").oid
+    header = cas.ObjectStore(storage).header(third)
+    assert header.is_delta and header.base == second and header.depth == depth + 1
+    assert cas.ObjectStore(storage).get(third) == w[2].tobytes()
