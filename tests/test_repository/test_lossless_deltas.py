@@ -128,6 +128,7 @@ def test_the_object_store_round_trips_any_float_bits_against_any_base(spec: tupl
     base_id = objects.put(base.tobytes(), element=element).oid
     with pytest.MonkeyPatch.context() as patch:  # small payloads are tried as deltas too here
         patch.setattr(cas, "FLOAT_DELTA_MIN", 0)
+        patch.setattr(cas, "FLOAT_DELTA_SMALLEST", 0)
         put = objects.put(payload.tobytes(), base=base_id, element=element)
     fresh = cas.ObjectStore(objects.storage)  # no cache: decoded from what is stored
     assert fresh.get(put.oid) == payload.tobytes()
@@ -185,6 +186,21 @@ def test_small_chunks_delta_only_against_a_base_this_store_wrote_and_never_read_
     big_reads = _counting_reads(fresh.storage)
     big = reader.put(at[1].tobytes(), base=big_base, element="float32")
     assert cas.ObjectStore(fresh.storage).header(big.oid).is_delta and ("whole", object_path(big_base)) in big_reads
+
+
+def test_chunks_under_the_smallest_are_never_tried() -> None:
+    """Under FLOAT_DELTA_SMALLEST (a bias of 64 floats) a chunk is a keyframe and nothing is
+    read, even with its base at hand; at the size it is tried."""
+    for n, expect_delta in ((cas.FLOAT_DELTA_SMALLEST // 4 - 1, False), (cas.FLOAT_DELTA_SMALLEST // 4, True)):
+        w = _training_like(2, shape=(n,))
+        w[1] = w[0].copy()
+        w[1][0] += 1.0  # one value changed: every other plane XORs to zeros
+        objects = cas.ObjectStore(open_storage(_url()))
+        base_id = objects.put(w[0].tobytes(), element="float32").oid
+        reads = _counting_reads(objects.storage)
+        put = objects.put(w[1].tobytes(), base=base_id, element="float32")
+        assert (reads != []) is expect_delta
+        assert cas.ObjectStore(objects.storage).header(put.oid).is_delta is expect_delta
 
 
 def test_small_chunk_chains_end_at_the_keyframe_interval() -> None:
