@@ -293,14 +293,19 @@ class SaveDecider:
         """The optimizer policy this save stores the moments with (a :class:`MomentPolicy`, a
         planner of the caller's, 'lossless', 'compressed' or None): the resume space's, else
         the history's."""
-        return (self.policy.resuming() if self.resume_space else self.policy.for_history()).optimizer
+        return self._stored_policy().optimizer
+
+    def _stored_policy(self) -> SearchPolicy:
+        """The policy for what this save stores: the resume space's when a restart loads it,
+        else the history's (:meth:`SearchPolicy.for_history`)."""
+        return self.policy.resuming() if self.resume_space else self.policy.for_history()
 
     def search_policy(self, residual: bool) -> SearchPolicy:
         """The policy a search runs with: the resume space when a restart loads what is stored,
         else the policy's history moments (:meth:`SearchPolicy.for_history`: stored moments
         then serve rollbacks only); the residual space for closed-loop residuals under the
         default space (a space the user chose is kept for both keyframes and residuals)."""
-        policy = self.policy.resuming() if self.resume_space else self.policy.for_history()
+        policy = self._stored_policy()
         if not self.resume_space and residual and policy.space == SearchSpace():
             policy = dataclasses.replace(policy, space=RESIDUAL_SPACE)
         return policy
